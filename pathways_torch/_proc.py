@@ -1,0 +1,35 @@
+"""Process plumbing shared by the coordinator, worker and executor processes (Linux)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` when our parent dies; exit now if it already has."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig))
+    except OSError:
+        pass
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def serve_until_signal(server) -> None:
+    """Block until SIGTERM or SIGINT, then stop the gRPC server."""
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    while not stop.wait(1.0):
+        pass
+    server.stop(grace=0.5)

@@ -1,0 +1,1 @@
+"""The client: capture, Arrays (futures), dispatch, and the embedded local cluster."""

@@ -1,0 +1,157 @@
+"""``pw.Array``: a future for a sharded buffer that lives on a slice's devices.
+
+Shape, dtype, sharding and slice are known the moment an Array exists; only
+``torch()``, ``numpy()``, ``item()`` and ``wait()`` block. Dropping the last reference
+frees the buffer on the worker (releases are batched onto the control stream).
+
+Example::
+
+    x = pw.put(torch.randn(64, 128), s, P("data", None))
+    y = layer(x, w)          # returns at once
+    y.shape, y.sharding      # known already
+    y.torch()                # blocks until y exists, then copies it to the client
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..errors import PlacementError
+from ..rpc import codec
+from ..rpc import pathways_pb2 as pb
+from ..sharding import P, as_spec, spec_to_proto, validate_spec
+from . import runtime
+
+
+class Array:
+    """A (possibly not yet computed) sharded tensor on a slice. Create with ``pw.put``."""
+
+    __slots__ = ("shape", "dtype", "sharding", "slice", "_id", "_seq", "_conn", "_origin",
+                 "hlo_sharding", "__weakref__")
+
+    def __init__(self, slice_: "runtime.Slice", buffer_id: int, seq: int,
+                 shape: Sequence[int], dtype: torch.dtype, sharding: Optional[P],
+                 origin: str, hlo_sharding: str = "") -> None:
+        self.slice = slice_
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        #: The partition spec over ``slice.axis_names`` (None if XLA chose a sharding
+        #: that no partition spec describes; ``hlo_sharding`` then has it).
+        self.sharding = sharding
+        self.hlo_sharding = hlo_sharding
+        self._id = buffer_id
+        self._seq = seq
+        self._conn = slice_._conn
+        self._origin = origin
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: Optional[int] = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def _what(self) -> str:
+        return f"Array{list(self.shape)} from {self._origin}"
+
+    def torch(self) -> torch.Tensor:
+        """Block until the value exists and return it as a CPU tensor."""
+        runtime.check_alive(self.slice)
+        return self._conn.fetch(self._id, self._seq, self._what())
+
+    def numpy(self) -> np.ndarray:
+        """Block until the value exists and return it as a numpy array."""
+        t = self.torch()
+        return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+    def item(self):
+        return self.torch().item()
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def wait(self) -> "Array":
+        """Block until the value exists (raises the program's error if it failed)."""
+        wait([self])
+        return self
+
+    def to(self, slice_: "runtime.Slice", spec=None) -> "Array":
+        """This Array with another sharding ``spec`` (same slice: a resharding program)."""
+        runtime.check_alive(self.slice)
+        if slice_ is not self.slice:
+            raise PlacementError(
+                f"moving an Array between slices ({self.slice!r} -> {slice_!r}) is not "
+                "supported by this version; put the data on the target slice with pw.put")
+        from .program import reshard
+        return reshard(self, as_spec(spec))
+
+    def __repr__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"pw.Array({dt}{list(self.shape)}, sharding={self.sharding!r}, {self.slice!r})"
+
+    def __del__(self) -> None:
+        try:
+            self._conn.release(self._id)
+        except AttributeError:
+            pass
+
+    def __bool__(self):
+        raise TypeError("the truth value of a pw.Array would block; use bool(a.item())")
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+
+def put(value: Union[torch.Tensor, np.ndarray], slice_: "runtime.Slice", spec=None) -> Array:
+    """Copy a CPU tensor onto ``slice_`` with partition spec ``spec`` (default replicated).
+
+    Returns at once; the bytes stream to the slice's executor in the background.
+
+    Example::
+
+        x = pw.put(torch.randn(64, 128), s, P("data", None))
+    """
+    runtime.get_state()
+    runtime.check_alive(slice_)
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(value)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"pw.put takes a torch.Tensor or numpy array, got {type(value).__name__}")
+    value = value.detach().cpu()
+    spec = as_spec(spec)
+    validate_spec(spec, value.shape, slice_.axis_names, slice_.mesh_shape, "pw.put")
+    msg = pb.Spec()
+    spec_to_proto(spec, msg)
+    codec.dtype_name(value.dtype)
+    bid = slice_._conn.put(value, msg)
+    return Array(slice_, bid, slice_._conn.seq, value.shape, value.dtype,
+                 spec.normalized(value.dim()), "pw.put")
+
+
+def wait(arrays: Iterable[Array]) -> None:
+    """Block until every Array exists; raise the first failure (with its program's name).
+
+    Example::
+
+        pw.wait([y, z])
+    """
+    groups: dict = {}
+    for a in arrays:
+        if not isinstance(a, Array):
+            raise TypeError(f"pw.wait takes pw.Arrays, got {type(a).__name__}")
+        runtime.check_alive(a.slice)
+        g = groups.setdefault(id(a._conn), {"conn": a._conn, "ids": [], "seq": 0,
+                                            "what": a._what()})
+        g["ids"].append(a._id)
+        g["seq"] = max(g["seq"], a._seq)
+    for g in groups.values():
+        g["conn"].wait(g["ids"], g["seq"], g["what"])

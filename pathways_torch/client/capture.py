@@ -1,0 +1,120 @@
+"""Capture: trace a torch function with torch_xla lazy tensors into a portable program.
+
+The client runs the function once per input signature on placeholder tensors that
+live on a local XLA device. Nothing executes: the lazy IR of the outputs is lowered to
+an HLO module (``_get_xla_tensors_hlo_proto``), which is what travels to the workers.
+Output shapes and dtypes are known from the lazy tensors, before anything runs.
+
+The HLO's parameters follow the graph's device-data order, not the argument order:
+each parameter is mapped back to a program input (by tensor id) or to a constant the
+function created (a Python scalar, a tensor literal), whose value ships with the program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import threading
+from typing import Any, Callable, List, Sequence, Tuple
+
+import torch
+
+from ..errors import DataDependentError, PathwaysError, ShapeError, TraceError
+
+_lock = threading.RLock()
+_device = None
+
+
+def xla_device():
+    """The client's local XLA device, used only for tracing (created once)."""
+    global _device
+    if _device is None:
+        os.environ.setdefault("PJRT_DEVICE", "CPU")
+        import torch_xla
+        _device = torch_xla.device()
+    return _device
+
+
+@dataclasses.dataclass
+class Traced:
+    name: str
+    hlo: bytes
+    params: List[Tuple[str, int]]        # ("i", input index) or ("c", constant index)
+    constants: List[torch.Tensor]        # CPU tensors
+    out_avals: List[Tuple[Tuple[int, ...], torch.dtype]]
+    out_tree: Any                        # pytree spec of the outputs
+    out_static: List[Any]                # per flat output leaf: None for tensors, else the value
+    fingerprint: str
+
+
+def _executions() -> Tuple[int, int]:
+    import torch_xla.debug.metrics as met
+    transfers = met.metric_data("TransferFromDeviceTime")
+    return (met.counter_value("ExecuteComputation") or 0,
+            transfers[0] if transfers else 0)
+
+
+_SHAPE_WORDS = ("shape", "size", "dimension", "dtype", "must match", "expected", "broadcast",
+                "mat1", "mat2", "same number", "cannot be multiplied", "scalar type")
+
+
+def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], torch.dtype]],
+          build_args: Callable[[List[torch.Tensor]], Tuple[tuple, dict]]) -> Traced:
+    """Trace ``fn`` on placeholders of ``in_avals``; ``build_args`` places them in the args."""
+    from torch.utils import _pytree as pytree
+    import torch_xla
+    X = torch_xla._XLAC
+    with _lock:
+        dev = xla_device()
+        placeholders = [torch.zeros(shape, dtype=dtype).to(dev) for shape, dtype in in_avals]
+        ids = {X._xla_get_tensor_id(p): k for k, p in enumerate(placeholders)}
+        args, kwargs = build_args(placeholders)
+        before = _executions()
+        try:
+            out = fn(*args, **kwargs)
+        except PathwaysError:
+            raise
+        except Exception as e:
+            sig = ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for s, d in in_avals)
+            msg = (f"tracing program '{name}' with inputs ({sig}) failed: "
+                   f"{type(e).__name__}: {e}")
+            if isinstance(e, (RuntimeError, ValueError, IndexError)) and any(
+                    w in str(e).lower() for w in _SHAPE_WORDS):
+                raise ShapeError(msg + "\nCheck the shapes and dtypes of the arguments.") from e
+            raise TraceError(msg) from e
+        if _executions() != before:
+            raise DataDependentError(
+                f"program '{name}' read a tensor's value while being traced (.item(), "
+                "bool(t), `if t:`, print(t), .tolist(), .cpu()). Programs are traced once "
+                "on placeholders, so their Python control flow cannot depend on data: use "
+                "torch.where, or move that logic outside the program and read the result "
+                "with Array.torch()")
+        leaves, out_tree = pytree.tree_flatten(out)
+        outs, statics = [], []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if leaf.device.type != "xla":
+                    leaf = leaf.to(dev)        # a tensor made inside the function
+                outs.append(leaf)
+                statics.append(None)
+            else:
+                statics.append(leaf)
+        if not outs:
+            raise TraceError(f"program '{name}' returns no tensor; return at least one")
+        data_ids, data = X._get_tensors_xla_device_data_node(outs)
+        params, constants = [], []
+        for tid, t in zip(data_ids, data):
+            if tid in ids:
+                params.append(("i", ids[tid]))
+            else:
+                params.append(("c", len(constants)))
+                constants.append(t.cpu())
+        hlo = X._get_xla_tensors_hlo_proto(outs)
+        out_avals = [(tuple(o.shape), o.dtype) for o in outs]
+    h = hashlib.sha256(hlo)
+    h.update(repr(params).encode())
+    for c in constants:
+        h.update(repr((c.dtype, tuple(c.shape))).encode())
+        h.update(c.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+    return Traced(name, hlo, params, constants, out_avals, out_tree, statics, h.hexdigest()[:24])

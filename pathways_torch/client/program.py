@@ -1,0 +1,217 @@
+"""``@pw.program``: a torch function compiled once per input signature, called as futures.
+
+Calling a program traces it on first use of a signature (shapes, dtypes, pytree
+structure and static Python values), registers the HLO with the slice's executor once
+per (program, slice, input shardings), then only queues an ``ExecuteOp`` on the slice's
+control stream and returns ``pw.Array`` futures whose shapes, dtypes and shardings are
+already known.
+
+Example::
+
+    @pw.program
+    def layer(x, w):
+        return torch.relu(x @ w)
+
+    y = layer(x, w)                          # pw.Array, returns at once
+
+    @pw.program(out_specs=P(None, None))     # force a replicated output
+    def gather(x):
+        return x * 2
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from ..errors import PlacementError, ShardingError, TraceError
+from ..rpc import codec
+from ..rpc import pathways_pb2 as pb
+from ..sharding import P, as_spec, spec_from_proto, spec_to_proto, validate_spec
+from . import runtime
+from .array import Array, put
+from .capture import Traced, trace
+
+_STATIC_TYPES = (int, float, bool, str, type(None), complex, torch.dtype)
+_program_ids = itertools.count(1)
+
+
+class _Compiled:
+    __slots__ = ("program_id", "out_specs", "out_hlo")
+
+    def __init__(self, program_id, out_specs, out_hlo):
+        self.program_id = program_id
+        self.out_specs = out_specs
+        self.out_hlo = out_hlo
+
+
+class Program:
+    """A compiled, sharded function. Create with the ``@pw.program`` decorator."""
+
+    def __init__(self, fn: Callable, out_specs: Any = None, name: Optional[str] = None):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "program")
+        self.out_specs = out_specs
+        self._traces: dict = {}
+        self._compiled: dict = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, *args, **kwargs):
+        runtime.get_state()
+        leaves, tree = pytree.tree_flatten((args, kwargs))
+        slice_ = None
+        for leaf in leaves:
+            if isinstance(leaf, Array):
+                if slice_ is None:
+                    slice_ = leaf.slice
+                elif leaf.slice is not slice_:
+                    raise PlacementError(
+                        f"program '{self.name}' got Arrays on two slices ({slice_!r} and "
+                        f"{leaf.slice!r}); all inputs of one call must live on one slice")
+        if slice_ is None:
+            raise PlacementError(
+                f"program '{self.name}' got no pw.Array input, so it does not know which "
+                "slice to run on: pw.put one of its inputs first")
+        runtime.check_alive(slice_)
+
+        key_parts, dyn_pos, avals = [], [], []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, np.ndarray):
+                leaf = leaves[i] = torch.from_numpy(leaf)
+            if isinstance(leaf, (Array, torch.Tensor)):
+                dyn_pos.append(i)
+                avals.append((tuple(leaf.shape), leaf.dtype))
+                key_parts.append(("A", tuple(leaf.shape), leaf.dtype))
+            elif isinstance(leaf, _STATIC_TYPES):
+                key_parts.append(("S", type(leaf).__name__, leaf))
+            else:
+                raise TraceError(
+                    f"program '{self.name}': argument of type {type(leaf).__name__} is "
+                    "neither a tensor/pw.Array nor a static Python value (int, float, bool, "
+                    "str, None, torch.dtype); pass tensors, or pytrees of them")
+        key = (repr(tree), tuple(key_parts))
+        traced = self._traces.get(key)
+        if traced is None:
+            traced = self._trace(leaves, tree, dyn_pos, avals)
+            self._traces[key] = traced
+
+        inputs = []
+        for i in dyn_pos:
+            leaf = leaves[i]
+            if isinstance(leaf, torch.Tensor):
+                leaf = put(leaf, slice_, P())        # implicit put, replicated
+            runtime.check_alive(leaf.slice)
+            inputs.append(leaf)
+
+        out_specs = self._resolve_out_specs(traced, slice_)
+        in_specs = tuple(a.sharding for a in inputs)
+        compiled = self._compile(traced, slice_, inputs, in_specs, out_specs)
+
+        conn = slice_._conn
+        out_ids = [conn.new_id() for _ in traced.out_avals]
+        seq = conn.send(pb.Op(execute=pb.ExecuteOp(
+            program_id=compiled.program_id, inputs=[a._id for a in inputs],
+            outputs=out_ids)))
+        origin = f"program '{self.name}'"
+        arrays = iter([
+            Array(slice_, bid, seq, shape, dtype, spec, origin, hlo)
+            for bid, (shape, dtype), spec, hlo in zip(
+                out_ids, traced.out_avals, compiled.out_specs, compiled.out_hlo)])
+        flat = [next(arrays) if s is None else s for s in traced.out_static]
+        return pytree.tree_unflatten(flat, traced.out_tree)
+
+    # ------------------------------------------------------------------ helpers
+    def _trace(self, leaves, tree, dyn_pos, avals) -> Traced:
+        def build(placeholders):
+            new = list(leaves)
+            for i, ph in zip(dyn_pos, placeholders):
+                new[i] = ph
+            return pytree.tree_unflatten(new, tree)
+
+        return trace(self.fn, self.name, avals, build)
+
+    def _resolve_out_specs(self, traced: Traced, slice_) -> Optional[tuple]:
+        if self.out_specs is None:
+            return None
+        n = len(traced.out_avals)
+        if isinstance(self.out_specs, P):
+            specs = [self.out_specs] * n
+        else:
+            specs = pytree.tree_flatten(
+                self.out_specs, is_leaf=lambda x: isinstance(x, P) or x is None)[0]
+            specs = [as_spec(s) for s in specs]
+            if len(specs) != n:
+                raise ShardingError(
+                    f"program '{self.name}': out_specs gives {len(specs)} specs for "
+                    f"{n} tensor outputs; give one P, or one per output")
+        for k, (spec, (shape, _)) in enumerate(zip(specs, traced.out_avals)):
+            validate_spec(spec, shape, slice_.axis_names, slice_.mesh_shape,
+                          f"output {k} of program '{self.name}'")
+        return tuple(specs)
+
+    def _compile(self, traced: Traced, slice_, inputs, in_specs, out_specs) -> _Compiled:
+        key = (traced.fingerprint, slice_.id, in_specs, out_specs)
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                return compiled
+            program_id = f"{self.name}-{traced.fingerprint[:10]}-{next(_program_ids)}"
+            req = pb.CompileRequest(program_id=program_id, name=self.name, hlo=traced.hlo,
+                                    has_out_specs=out_specs is not None)
+            for src, k in traced.params:
+                req.params.add(**({"input": k} if src == "i" else {"constant": k}))
+            for c in traced.constants:
+                req.constants.add(meta=pb.TensorMeta(dtype=codec.dtype_name(c.dtype),
+                                                      shape=list(c.shape)),
+                                  data=codec.to_bytes(c))
+            for a, spec in zip(inputs, in_specs):
+                req.inputs.add(dtype=codec.dtype_name(a.dtype), shape=list(a.shape))
+                spec_to_proto(spec or P(), req.input_specs.add())
+            for spec in out_specs or ():
+                spec_to_proto(spec, req.out_specs.add())
+            rep = slice_._conn.compile(req, self.name)
+            specs = [spec_from_proto(s) if known else None
+                     for s, known in zip(rep.out_specs, rep.out_spec_known)]
+            specs = [s.normalized(len(shape)) if s is not None else None
+                     for s, (shape, _) in zip(specs, traced.out_avals)]
+            compiled = _Compiled(program_id, specs, list(rep.out_hlo_shardings))
+            self._compiled[key] = compiled
+            return compiled
+
+    def __repr__(self) -> str:
+        return f"pw.program({self.name})"
+
+
+def program(fn: Optional[Callable] = None, *, out_specs: Any = None,
+            name: Optional[str] = None):
+    """Decorate a torch function so that calls run as compiled programs on a slice.
+
+    ``out_specs`` fixes the output shardings (one ``P`` for all outputs, or one per
+    output); without it XLA's sharding propagation chooses them.
+    """
+    if fn is None:
+        return lambda f: Program(f, out_specs=out_specs, name=name)
+    return Program(fn, out_specs=out_specs, name=name)
+
+
+_reshards: dict = {}
+
+
+def reshard(a: Array, spec: P) -> Array:
+    """``a`` with partition spec ``spec`` on the same slice."""
+    prog = _reshards.get(spec)
+    if prog is None:
+        prog = _reshards[spec] = Program(lambda x: x.clone(), out_specs=spec,
+                                         name="reshard")
+    return prog(a)

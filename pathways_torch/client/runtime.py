@@ -1,0 +1,299 @@
+"""The client's global state: one small class behind thin public functions.
+
+``pw.init()`` connects to (or starts) a cluster and opens a session with its
+coordinator; ``pw.shutdown()`` closes every executor link, releases the session's
+slices and stops whatever ``pw.init()`` started.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import os
+import threading
+from typing import List, Optional, Sequence
+
+import grpc
+
+from ..errors import (ClusterShutdownError, NotInitializedError, PathwaysError,
+                      ResourceExhaustedError, ShardingError)
+from ..rpc import grpc_util
+from ..rpc import pathways_pb2 as pb
+from ..rpc import pathways_pb2_grpc as pbg
+from .cluster import LocalCluster
+from .connection import ExecutorConnection
+
+ADDRESS_ENV = "PATHWAYS_ADDRESS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One physical device of the cluster, as the resource manager sees it."""
+
+    island: int
+    host: int
+    index: int
+    kind: str
+    state: str = "free"
+
+
+class Slice:
+    """A virtual slice: a device mesh of ``mesh_shape`` mapped onto physical devices.
+
+    Obtain one with ``pw.slice``; give it back with ``release()`` (or ``with``).
+
+    Example::
+
+        s = pw.slice((4, 2), axis_names=("data", "model"))
+        print(s.devices[0].host, s.mesh_shape)
+        s.release()
+    """
+
+    def __init__(self, state: "_State", reply: pb.AllocateSliceReply,
+                 mesh_shape: Sequence[int], axis_names: Sequence[str]) -> None:
+        self.id = reply.slice_id
+        self.mesh_shape = tuple(int(s) for s in mesh_shape)
+        self.axis_names = tuple(axis_names)
+        self.island = reply.island
+        self.host = reply.host
+        self.devices = tuple(Device(d.island, d.host, d.index, d.kind, d.state)
+                             for d in reply.devices)
+        self._state = state
+        self._conn = ExecutorConnection(reply.executor_address,
+                                        f"island {reply.island} host {reply.host}",
+                                        state.timeout)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    @property
+    def released(self) -> bool:
+        return self._conn.closed
+
+    def axis_size(self, name: str) -> int:
+        return self.mesh_shape[self.axis_names.index(name)]
+
+    def release(self) -> None:
+        """Free the slice's devices; its Arrays become unusable."""
+        if self._conn.closed:
+            return
+        self._conn.close()
+        self._state.release_slice(self)
+
+    def stats(self) -> pb.StatsReply:
+        """The executor's counters: buffers held, bytes, programs, executions."""
+        return self._conn.stats()
+
+    def __enter__(self) -> "Slice":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))
+        return f"Slice({axes}; island {self.island} host {self.host})"
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.cluster: Optional[LocalCluster] = None
+        self.address = ""
+        self.client_id = ""
+        self.timeout = 600.0
+        self.slices: List[Slice] = []
+        self._channel = None
+        self.stub = None
+        self._session = None
+        self._session_thread = None
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self.client_id)
+
+    def initialize(self, address: Optional[str], islands: int, hosts_per_island: int,
+                   devices_per_host: int, timeout: float, name: str) -> None:
+        if self.initialized:
+            raise PathwaysError("pw.init() was already called; call pw.shutdown() first")
+        self.timeout = timeout
+        address = address or os.environ.get(ADDRESS_ENV)
+        if not address:
+            self.cluster = LocalCluster(islands, hosts_per_island, devices_per_host)
+            address = self.cluster.address
+        self.address = address
+        try:
+            self._channel = grpc_util.channel(address)
+            self.stub = pbg.CoordinatorStub(self._channel)
+            self._session = self.stub.OpenSession(
+                pb.OpenSessionRequest(name=name, pid=os.getpid()))
+            first = next(self._session)
+            self.client_id = first.client_id
+        except grpc.RpcError as e:
+            self.shutdown()
+            raise PathwaysError(f"could not reach the coordinator at {address}: "
+                                f"{e.details()}") from None
+        self._session_thread = threading.Thread(target=self._hold_session,
+                                                 name="pw-session", daemon=True)
+        self._session_thread.start()
+
+    def _hold_session(self) -> None:
+        try:
+            for _ in self._session:
+                pass
+        except grpc.RpcError:
+            pass
+
+    def require(self) -> "_State":
+        if not self.initialized:
+            raise NotInitializedError(
+                "pathways_torch is not initialized: call pw.init() first (no arguments "
+                "start a local cluster on this machine)")
+        return self
+
+    def devices(self) -> List[Device]:
+        rep = self.stub.ListDevices(pb.ListDevicesRequest(), timeout=30)
+        return [Device(d.island, d.host, d.index, d.kind, d.state) for d in rep.devices]
+
+    def allocate(self, mesh_shape: Sequence[int], axis_names: Sequence[str],
+                 island: Optional[int]) -> Slice:
+        req = pb.AllocateSliceRequest(client_id=self.client_id, mesh_shape=list(mesh_shape),
+                                      axis_names=list(axis_names), island=island or 0,
+                                      any_island=island is None)
+        try:
+            rep = self.stub.AllocateSlice(req, timeout=180)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise ResourceExhaustedError(e.details()) from None
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ShardingError(e.details()) from None
+            raise PathwaysError(f"pw.slice failed: {e.details()}") from None
+        s = Slice(self, rep, mesh_shape, axis_names)
+        with self.lock:
+            self.slices.append(s)
+        return s
+
+    def release_slice(self, s: Slice) -> None:
+        with self.lock:
+            if s in self.slices:
+                self.slices.remove(s)
+        if self.stub is not None:
+            try:
+                self.stub.ReleaseSlice(pb.ReleaseSliceRequest(
+                    client_id=self.client_id, slice_id=s.id), timeout=30)
+            except grpc.RpcError:
+                pass
+
+    def shutdown(self) -> None:
+        with self.lock:
+            slices, self.slices = self.slices, []
+        for s in slices:
+            s._conn.close()
+        if self._session is not None:
+            self._session.cancel()
+        if self._channel is not None:
+            self._channel.close()
+        if self.cluster is not None:
+            self.cluster.stop()
+        self.__init__()
+
+
+_state = _State()
+
+
+def get_state() -> _State:
+    return _state.require()
+
+
+def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: int = 1,
+         devices_per_host: Optional[int] = None, timeout: float = 600.0,
+         name: str = "") -> None:
+    """Connect this process to a Pathways cluster, starting a local one if needed.
+
+    With no ``address`` (and no ``PATHWAYS_ADDRESS`` in the environment, which
+    ``pathways-run`` sets), it starts an embedded cluster on this machine: a coordinator
+    and ``islands * hosts_per_island`` worker processes with ``devices_per_host``
+    devices each (default: ``CPU_NUM_DEVICES`` or 8), all stopped by ``pw.shutdown()``
+    or at interpreter exit. ``timeout`` bounds every blocking call, in seconds.
+
+    Example::
+
+        pw.init(devices_per_host=8)
+    """
+    if devices_per_host is None:
+        devices_per_host = int(os.environ.get("CPU_NUM_DEVICES", "8"))
+    with _state.lock:
+        _state.initialize(address, islands, hosts_per_island, devices_per_host, timeout,
+                          name or f"pid{os.getpid()}")
+
+
+def shutdown() -> None:
+    """Release every slice and stop the processes that ``pw.init()`` started.
+
+    Arrays created before become unusable (they raise ``ClusterShutdownError``).
+    """
+    with _state.lock:
+        if _state.initialized or _state.cluster is not None:
+            _state.shutdown()
+
+
+def is_initialized() -> bool:
+    return _state.initialized
+
+
+def devices() -> List[Device]:
+    """Every device of the cluster: island, host, index on the host, kind and state.
+
+    Example::
+
+        >>> [d.island for d in pw.devices()]
+    """
+    return get_state().devices()
+
+
+def slice(mesh_shape: Sequence[int] | int, axis_names: Optional[Sequence[str]] = None,
+          island: Optional[int] = None) -> Slice:
+    """Ask the resource manager for a virtual slice of devices shaped ``mesh_shape``.
+
+    Each virtual device maps one-to-one onto a free physical device. ``island=None``
+    lets the resource manager choose (least loaded). Raises ``ResourceExhaustedError``
+    at once, saying what is free, when the request does not fit.
+
+    Example::
+
+        s = pw.slice((4, 2), axis_names=("data", "model"))
+    """
+    state = get_state()
+    if isinstance(mesh_shape, int):
+        mesh_shape = (mesh_shape,)
+    mesh_shape = tuple(int(m) for m in mesh_shape)
+    if axis_names is None:
+        defaults = {1: ("data",), 2: ("data", "model")}
+        if len(mesh_shape) not in defaults:
+            raise ShardingError(f"give axis_names for a {len(mesh_shape)}-D mesh")
+        axis_names = defaults[len(mesh_shape)]
+    axis_names = tuple(axis_names)
+    if len(axis_names) != len(mesh_shape):
+        raise ShardingError(f"mesh shape {mesh_shape} has {len(mesh_shape)} axes but "
+                            f"axis_names {axis_names} names {len(axis_names)}")
+    if len(set(axis_names)) != len(axis_names) or not all(
+            isinstance(a, str) and a for a in axis_names):
+        raise ShardingError(f"axis_names {axis_names} must be distinct non-empty strings")
+    return state.allocate(mesh_shape, axis_names, island)
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception:
+        pass
+
+
+def check_alive(s: Slice) -> None:
+    if s.released:
+        raise ClusterShutdownError(
+            f"{s!r} was released or its cluster shut down; Arrays on it are gone. "
+            "Create a new slice and put the data again")

@@ -1,0 +1,1 @@
+"""The coordinator: resource manager over islands, hosts and devices, and client sessions."""

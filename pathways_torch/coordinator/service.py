@@ -1,0 +1,151 @@
+"""The Coordinator gRPC service: worker registration, client sessions, slices."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import uuid
+
+import grpc
+
+from .. import _proc
+from ..rpc import grpc_util
+from ..rpc import pathways_pb2 as pb
+from ..rpc import pathways_pb2_grpc as pbg
+from .resources import AllocationError, ResourceManager
+
+log = logging.getLogger("pathways.coordinator")
+
+
+class CoordinatorService(pbg.CoordinatorServicer):
+    def __init__(self) -> None:
+        self.rm = ResourceManager()
+        self._workers: dict = {}           # worker_id -> Worker stub
+        self._sessions: dict = {}          # client_id -> name
+        self._lock = threading.Lock()
+
+    # -- workers
+    def RegisterWorker(self, request, context):
+        try:
+            h = self.rm.add_host(request.island, request.host, request.num_devices,
+                                 request.kind, request.address, request.pid)
+        except AllocationError as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        stub = pbg.WorkerStub(grpc_util.channel(request.address))
+        with self._lock:
+            self._workers[h.worker_id] = stub
+        log.info("worker %s registered: island %d host %d, %d %s devices at %s",
+                 h.worker_id, h.island, h.host, h.num_devices, h.kind, h.address)
+        return pb.RegisterWorkerReply(worker_id=h.worker_id)
+
+    def ListDevices(self, request, context):
+        reply = pb.ListDevicesReply(registered_workers=len(self.rm.hosts))
+        for row in self.rm.device_table():
+            reply.devices.add(**row)
+        return reply
+
+    # -- clients
+    def OpenSession(self, request, context):
+        client_id = f"c{uuid.uuid4().hex[:12]}"
+        done = threading.Event()
+        with self._lock:
+            self._sessions[client_id] = request.name
+
+        def on_close():
+            done.set()
+            self._close_session(client_id)
+
+        context.add_callback(on_close)
+        yield pb.SessionEvent(client_id=client_id)
+        done.wait()
+
+    def _close_session(self, client_id: str) -> None:
+        with self._lock:
+            self._sessions.pop(client_id, None)
+        for rec in self.rm.slices_of(client_id):
+            self._free_slice(rec.slice_id)
+        log.info("session %s closed", client_id)
+
+    def AllocateSlice(self, request, context):
+        with self._lock:
+            known = request.client_id in self._sessions
+        if not known:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"unknown client {request.client_id!r}: open a session first")
+        island = None if request.any_island else request.island
+        try:
+            rec = self.rm.reserve(request.client_id, list(request.mesh_shape),
+                                  list(request.axis_names), island)
+        except AllocationError as e:
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.code == "exhausted"
+                    else grpc.StatusCode.INVALID_ARGUMENT)
+            context.abort(code, str(e))
+        stub = self._workers[rec.worker_id]
+        try:
+            rep = stub.StartExecutor(pb.StartExecutorRequest(
+                slice_id=rec.slice_id, device_indices=list(rec.devices),
+                mesh_shape=list(rec.mesh_shape), axis_names=list(rec.axis_names),
+                client_id=request.client_id), timeout=120)
+        except grpc.RpcError as e:
+            self.rm.release(rec.slice_id)
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"island {rec.island} host {rec.host} could not start an executor "
+                          f"for the slice: {e.details()}")
+        rec.executor_address = rep.address
+        reply = pb.AllocateSliceReply(slice_id=rec.slice_id, executor_address=rep.address,
+                                      island=rec.island, host=rec.host)
+        h = self.rm.hosts[rec.worker_id]
+        for d in rec.devices:
+            reply.devices.add(island=rec.island, host=rec.host, index=d, kind=h.kind,
+                              state="in_use", slice_id=rec.slice_id)
+        return reply
+
+    def ReleaseSlice(self, request, context):
+        rec = self.rm.slices.get(request.slice_id)
+        if rec is None:
+            return pb.Empty()
+        if rec.client_id != request.client_id:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"slice {request.slice_id} belongs to another client")
+        self._free_slice(request.slice_id)
+        return pb.Empty()
+
+    def _free_slice(self, slice_id: str) -> None:
+        rec = self.rm.release(slice_id)
+        if rec is None:
+            return
+        stub = self._workers.get(rec.worker_id)
+        if stub is None:
+            return
+        try:
+            stub.StopExecutor(pb.StopExecutorRequest(slice_id=slice_id), timeout=30)
+        except grpc.RpcError as e:
+            log.warning("stopping executor of %s failed: %s", slice_id, e.details())
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m pathways_torch.coordinator")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind")
+    ap.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
+    ap.add_argument("--parent-pid", type=int, default=0,
+                    help="exit when this process dies (embedded clusters)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PATHWAYS_LOG", "WARNING"),
+                        format="%(asctime)s %(name)s %(message)s")
+    if args.parent_pid:
+        _proc.die_with_parent(args.parent_pid)
+    srv = grpc_util.server(max_workers=64)
+    service = CoordinatorService()
+    pbg.add_CoordinatorServicer_to_server(service, srv)
+    port = srv.add_insecure_port(f"{args.host}:{args.port}")
+    srv.start()
+    # The embedded cluster and pathways-run read this line to learn the port.
+    print(f"PATHWAYS_COORDINATOR_PORT={port}", flush=True)
+    _proc.serve_until_signal(srv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,85 @@
+"""The typed errors of pathways_torch.
+
+Every error the runtime raises on purpose derives from :class:`PathwaysError` and says
+what to do about it. Errors that are also plain Python categories (a bad value, a
+timeout) derive from those too, so ``except ValueError`` keeps working.
+
+Example::
+
+    try:
+        s = pw.slice((64,))
+    except pw.ResourceExhaustedError as e:
+        print(e)        # says how many devices are free, and where
+"""
+
+from __future__ import annotations
+
+import builtins
+
+__all__ = [
+    "PathwaysError",
+    "NotInitializedError",
+    "ClusterShutdownError",
+    "ResourceExhaustedError",
+    "ShardingError",
+    "PlacementError",
+    "TraceError",
+    "ShapeError",
+    "DataDependentError",
+    "ProgramError",
+    "WorkerLostError",
+    "TimeoutError",
+]
+
+
+class PathwaysError(Exception):
+    """Base class of every error that pathways_torch raises on purpose."""
+
+
+class NotInitializedError(PathwaysError, RuntimeError):
+    """The API was used before ``pw.init()`` (or after ``pw.shutdown()``)."""
+
+
+class ClusterShutdownError(PathwaysError, RuntimeError):
+    """An Array or slice was used after the cluster it lived on was shut down or released."""
+
+
+class ResourceExhaustedError(PathwaysError, RuntimeError):
+    """A slice asked for more devices than are free; the message says what is free."""
+
+
+class ShardingError(PathwaysError, ValueError):
+    """A partition spec names an unknown mesh axis or does not divide a dimension."""
+
+
+class PlacementError(PathwaysError, ValueError):
+    """Program inputs live on different slices, or an Array is used where it cannot be."""
+
+
+class TraceError(PathwaysError):
+    """Tracing a ``@pw.program`` function failed in the client (nothing ran on a worker)."""
+
+
+class ShapeError(TraceError, ValueError):
+    """Shapes or dtypes of a program's inputs do not fit what the function does with them."""
+
+
+class DataDependentError(TraceError):
+    """The traced function read a tensor's value (``.item()``, ``if t:``, ``print(t)``)."""
+
+
+class ProgramError(PathwaysError, RuntimeError):
+    """A program failed on a worker. ``program`` and ``host`` say which and where."""
+
+    def __init__(self, message: str, program: str = "", host: str = "") -> None:
+        super().__init__(message)
+        self.program = program
+        self.host = host
+
+
+class WorkerLostError(PathwaysError, RuntimeError):
+    """The worker (or executor) that held or was computing an Array is gone."""
+
+
+class TimeoutError(PathwaysError, builtins.TimeoutError):
+    """A blocking call passed its deadline (``pw.init(timeout=...)`` or ``timeout=``)."""

@@ -1,0 +1,1 @@
+"""Wire format: generated gRPC stubs, the tensor codec and channel settings."""

@@ -1,0 +1,150 @@
+"""Partition specs: how an Array's dimensions map onto a slice's mesh axes.
+
+``P("data", None)`` splits dimension 0 over the mesh axis ``"data"`` and keeps
+dimension 1 whole. As in JAX, ``P()`` is fully replicated, and dimensions past the
+spec's length are replicated. An entry may be a tuple of axes to split one dimension
+over several axes: ``P(("data", "model"))``.
+
+Example::
+
+    x = pw.put(torch.randn(64, 128), s, P("data", None))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence, Tuple, Union
+
+from .errors import ShardingError
+
+AxisEntry = Union[None, str, Tuple[str, ...]]
+
+
+class P(tuple):
+    """A partition spec: one entry per leading tensor dimension (None, an axis, or a tuple)."""
+
+    def __new__(cls, *entries: AxisEntry) -> "P":
+        norm = []
+        for e in entries:
+            if e is None or isinstance(e, str):
+                norm.append(e)
+            elif isinstance(e, (tuple, list)) and all(isinstance(a, str) for a in e):
+                norm.append(tuple(e) if len(e) != 1 else e[0])
+            else:
+                raise ShardingError(
+                    f"P entries must be None, an axis name or a tuple of axis names, got {e!r}"
+                )
+        return super().__new__(cls, norm)
+
+    def __repr__(self) -> str:
+        return "P(" + ", ".join(repr(e) for e in self) + ")"
+
+    def axes(self, dim: int) -> Tuple[str, ...]:
+        """The mesh axes that dimension ``dim`` is split over (empty if not split)."""
+        if dim >= len(self) or self[dim] is None:
+            return ()
+        e = self[dim]
+        return (e,) if isinstance(e, str) else tuple(e)
+
+    def normalized(self, rank: int) -> "P":
+        """The same spec with trailing replicated dimensions dropped."""
+        entries = list(self)[:rank]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+
+def as_spec(spec: Union[P, Sequence[AxisEntry], None]) -> P:
+    """Accept ``P``, a plain tuple or None (replicated) and return a ``P``."""
+    if spec is None:
+        return P()
+    if isinstance(spec, P):
+        return spec
+    if isinstance(spec, str):
+        return P(spec)
+    return P(*spec)
+
+
+def validate_spec(
+    spec: P, shape: Sequence[int], axis_names: Sequence[str], mesh_shape: Sequence[int],
+    what: str = "array",
+) -> None:
+    """Raise ShardingError unless ``spec`` is a valid sharding of ``shape`` on the mesh."""
+    sizes = dict(zip(axis_names, mesh_shape))
+    if len(spec) > len(shape):
+        raise ShardingError(
+            f"{what}: spec {spec!r} has {len(spec)} entries but the {what} has rank "
+            f"{len(shape)} (shape {tuple(shape)}); give at most one entry per dimension"
+        )
+    seen = set()
+    for dim in range(len(spec)):
+        axes = spec.axes(dim)
+        for a in axes:
+            if a not in sizes:
+                raise ShardingError(
+                    f"{what}: spec {spec!r} names mesh axis {a!r}, but the slice's axes are "
+                    f"{tuple(axis_names)}; use one of those or None"
+                )
+            if a in seen:
+                raise ShardingError(
+                    f"{what}: spec {spec!r} uses mesh axis {a!r} twice; each axis may split "
+                    f"at most one dimension"
+                )
+            seen.add(a)
+        n = math.prod(sizes[a] for a in axes)
+        if n > 1 and shape[dim] % n != 0:
+            raise ShardingError(
+                f"{what}: dimension {dim} has size {shape[dim]}, which {n} devices of "
+                f"axes {axes} cannot split evenly; pad it to a multiple of {n} or replicate "
+                f"that dimension (None in the spec)"
+            )
+
+
+def spec_candidates(rank: int, axis_names: Sequence[str]) -> Iterable[P]:
+    """Every spec of ``rank`` entries that uses each axis at most once, simplest first."""
+    names = list(axis_names)
+    options: list = [None] + names
+    if len(names) >= 2:
+        options += [(a, b) for a in names for b in names if a != b]
+
+    results = []
+
+    def rec(prefix: list, used: set) -> None:
+        if len(prefix) == rank:
+            results.append(P(*prefix).normalized(rank))
+            return
+        for o in options:
+            axes = () if o is None else ((o,) if isinstance(o, str) else o)
+            if used & set(axes):
+                continue
+            rec(prefix + [o], used | set(axes))
+
+    rec([], set())
+    results.sort(key=lambda s: sum(len(s.axes(d)) for d in range(len(s))))
+    seen, out = set(), []
+    for s in results:
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+def spec_to_proto(spec: P, msg) -> None:
+    """Fill a ``pathways.Spec`` message from a P."""
+    for dim in range(len(spec)):
+        msg.dims.add().axes.extend(spec.axes(dim))
+
+
+def spec_from_proto(msg) -> P:
+    """The P that a ``pathways.Spec`` message describes."""
+    return P(*[(tuple(d.axes) if len(d.axes) > 1 else (d.axes[0] if d.axes else None))
+               for d in msg.dims])
+
+
+def shard_shape(shape: Sequence[int], spec: P, axis_names: Sequence[str],
+                mesh_shape: Sequence[int]) -> Tuple[int, ...]:
+    """The shape of one device's shard of an array of ``shape`` under ``spec``."""
+    sizes = dict(zip(axis_names, mesh_shape))
+    return tuple(
+        s // math.prod(sizes[a] for a in spec.axes(d)) for d, s in enumerate(shape)
+    )

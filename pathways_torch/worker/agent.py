@@ -1,0 +1,210 @@
+"""The host agent: registers the host with the coordinator and runs one executor per slice.
+
+torch_xla's SPMD always spans every device of its process, so a slice smaller than the
+host cannot be one SPMD program inside a host-wide process. The agent therefore keeps
+a *zygote*: a process forked right after ``import torch, torch_xla`` and before any
+device or gRPC thread exists. For each slice placed on the host the zygote forks an
+executor that sees exactly that slice's devices (ready in a fraction of a second instead
+of a ~9 s cold start). See docs/architecture.md for the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+log = logging.getLogger("pathways.worker")
+
+
+class Zygote:
+    """A single-threaded process that forks executors on request (JSON lines on a pipe)."""
+
+    def __init__(self) -> None:
+        agent_pid = os.getpid()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the zygote
+            os.close(w)
+            from .. import _proc
+            _proc.die_with_parent(agent_pid, signal.SIGKILL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # executors are reaped by the kernel
+            zygote_pid = os.getpid()
+            with os.fdopen(r, "r") as f:
+                for line in f:
+                    req = json.loads(line)
+                    if os.fork() == 0:
+                        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                        f.close()
+                        _proc.die_with_parent(zygote_pid, signal.SIGKILL)
+                        code = 1
+                        try:
+                            from .executor import run_executor
+                            run_executor(req)
+                            code = 0
+                        finally:
+                            os._exit(code)
+            os._exit(0)
+        os.close(r)
+        self.pid = pid
+        self._w = os.fdopen(w, "w")
+        self._lock = threading.Lock()
+
+    def spawn(self, request: dict) -> None:
+        with self._lock:
+            self._w.write(json.dumps(request) + "\n")
+            self._w.flush()
+
+    def stop(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def _kill_and_wait(pid: int, timeout: float = 5.0) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: str):
+    import grpc
+    from ..rpc import pathways_pb2 as pb
+    from ..rpc import pathways_pb2_grpc as pbg
+
+    class WorkerService(pbg.WorkerServicer):
+        def __init__(self) -> None:
+            self.address = ""
+            self._lock = threading.Lock()
+            self._pending: dict = {}     # slice_id -> (Event, [reply])
+            self.executors: dict = {}    # slice_id -> pid
+
+        def StartExecutor(self, request, context):
+            ev, box = threading.Event(), []
+            with self._lock:
+                if request.slice_id in self.executors or request.slice_id in self._pending:
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                  f"slice {request.slice_id} already has an executor")
+                self._pending[request.slice_id] = (ev, box)
+            zygote.spawn(dict(
+                slice_id=request.slice_id, devices=list(request.device_indices),
+                mesh_shape=list(request.mesh_shape), axis_names=list(request.axis_names),
+                agent_address=self.address, island=island, host=host, kind=kind,
+                bind_host=bind_host))
+            ok = ev.wait(120)
+            with self._lock:
+                self._pending.pop(request.slice_id, None)
+                if ok and not box[0].error:
+                    self.executors[request.slice_id] = box[0].pid
+            if not ok:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              "the executor did not start within 120 s")
+            if box[0].error:
+                context.abort(grpc.StatusCode.INTERNAL,
+                              f"the executor failed to start: {box[0].error}")
+            return pb.StartExecutorReply(address=box[0].address, pid=box[0].pid)
+
+        def ExecutorReady(self, request, context):
+            with self._lock:
+                pending = self._pending.get(request.slice_id)
+            if pending is not None:
+                pending[1].append(request)
+                pending[0].set()
+            return pb.Empty()
+
+        def StopExecutor(self, request, context):
+            with self._lock:
+                pid = self.executors.pop(request.slice_id, None)
+            if pid is not None:
+                _kill_and_wait(pid)
+            return pb.Empty()
+
+        def stop_all(self) -> None:
+            with self._lock:
+                pids = list(self.executors.values())
+                self.executors.clear()
+            for pid in pids:
+                _kill_and_wait(pid, 2.0)
+
+    return WorkerService()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m pathways_torch.worker")
+    ap.add_argument("--coordinator", required=True, help="coordinator address host:port")
+    ap.add_argument("--island", type=int, default=0)
+    ap.add_argument("--host", type=int, default=0, help="host index within the island")
+    ap.add_argument("--devices", type=int, default=0,
+                    help="devices on this host (0: ask the runtime)")
+    ap.add_argument("--bind-host", default="127.0.0.1")
+    ap.add_argument("--parent-pid", type=int, default=0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PATHWAYS_LOG", "WARNING"),
+                        format="%(asctime)s %(name)s %(message)s")
+    from .. import _proc
+    if args.parent_pid:
+        _proc.die_with_parent(args.parent_pid)
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    from .devices import device_kind
+    kind = device_kind()
+    num_devices = args.devices or int(os.environ.get("CPU_NUM_DEVICES", "1"))
+
+    # Preload the heavy modules once; every executor is forked with them in memory.
+    import torch  # noqa: F401
+    import torch_xla  # noqa: F401
+    zygote = Zygote()
+
+    import grpc
+    from ..rpc import grpc_util
+    from ..rpc import pathways_pb2 as pb
+    from ..rpc import pathways_pb2_grpc as pbg
+
+    service = _make_service(zygote, args.island, args.host, kind, args.bind_host)
+    srv = grpc_util.server(max_workers=32)
+    pbg.add_WorkerServicer_to_server(service, srv)
+    port = srv.add_insecure_port(f"{args.bind_host}:0")
+    srv.start()
+    service.address = f"{args.bind_host}:{port}"
+
+    coord = pbg.CoordinatorStub(grpc_util.channel(args.coordinator))
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            coord.RegisterWorker(pb.RegisterWorkerRequest(
+                island=args.island, host=args.host, num_devices=num_devices, kind=kind,
+                address=service.address, pid=os.getpid()), timeout=10)
+            break
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                print(f"worker island {args.island} host {args.host}: registration failed: "
+                      f"{e.details()}", file=sys.stderr, flush=True)
+                zygote.stop()
+                os._exit(1)
+            time.sleep(0.5)
+    try:
+        _proc.serve_until_signal(srv)
+    finally:
+        service.stop_all()
+        zygote.stop()
+    os._exit(0)

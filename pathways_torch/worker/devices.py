@@ -1,0 +1,30 @@
+"""Which environment variables give a process exactly a given set of the host's devices.
+
+The device kind comes from ``PJRT_DEVICE``; nothing here is wired to the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Sequence
+
+
+def device_kind() -> str:
+    return os.environ.get("PJRT_DEVICE", "CPU").upper()
+
+
+def slice_env(kind: str, device_indices: Sequence[int]) -> Dict[str, str]:
+    """Environment for an executor that must see exactly ``device_indices`` of its host."""
+    n = len(device_indices)
+    ids = ",".join(str(d) for d in device_indices)
+    kind = kind.upper()
+    if kind == "CPU":
+        # CPU "devices" are virtual: any k of them are k fresh ones.
+        return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(n)}
+    if kind == "TPU":
+        return {"PJRT_DEVICE": "TPU", "TPU_VISIBLE_CHIPS": ids,
+                "TPU_PROCESS_BOUNDS": "1,1,1", "TPU_CHIPS_PER_PROCESS_BOUNDS": f"1,{n},1"
+                if n > 1 else "1,1,1"}
+    if kind in ("CUDA", "GPU"):
+        return {"PJRT_DEVICE": "CUDA", "CUDA_VISIBLE_DEVICES": ids, "GPU_NUM_DEVICES": str(n)}
+    raise ValueError(f"unsupported PJRT_DEVICE {kind!r}: use CPU, TPU or CUDA")

@@ -1,0 +1,374 @@
+"""One slice's executor: owns the slice's devices through torch_xla (PJRT) in SPMD mode.
+
+It serves the Executor gRPC service: ``Compile`` registers a program (an HLO module
+traced by the client) and warms XLA's compile cache with placeholders; ``Dispatch`` is
+the client's ordered stream of puts, executions, releases and barriers, run one after
+another by a single execution thread (so every op runs in the order the client sent
+it); ``Fetch`` and ``Wait`` block on the object store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+
+log = logging.getLogger("pathways.executor")
+
+
+def run_executor(req: dict) -> None:
+    """Entry point of a forked executor process (see agent.Zygote)."""
+    from .devices import slice_env
+    os.environ.update(slice_env(req["kind"], req["devices"]))
+    import grpc
+    from .. import _proc
+    from ..rpc import grpc_util
+    from ..rpc import pathways_pb2 as pb
+    from ..rpc import pathways_pb2_grpc as pbg
+
+    agent = pbg.WorkerStub(grpc_util.channel(req["agent_address"]))
+    try:
+        service = ExecutorService(req)
+        srv = grpc_util.server(max_workers=16)
+        pbg.add_ExecutorServicer_to_server(service, srv)
+        port = srv.add_insecure_port(f"{req['bind_host']}:0")
+        srv.start()
+    except Exception as e:  # report why, so the client sees it
+        agent.ExecutorReady(pb.ExecutorReadyRequest(
+            slice_id=req["slice_id"], pid=os.getpid(),
+            error=f"{type(e).__name__}: {e}"), timeout=30)
+        raise
+    agent.ExecutorReady(pb.ExecutorReadyRequest(
+        slice_id=req["slice_id"], address=f"{req['bind_host']}:{port}", pid=os.getpid()),
+        timeout=30)
+    _proc.serve_until_signal(srv)
+    service.stop()
+
+
+class _Program:
+    __slots__ = ("name", "xla_name", "comp", "params", "constants", "out_specs")
+
+    def __init__(self, name, xla_name, comp, params, constants, out_specs):
+        self.name = name
+        self.xla_name = xla_name
+        self.comp = comp
+        self.params = params          # list of ("i", k) or ("c", k)
+        self.constants = constants    # device tensors
+        self.out_specs = out_specs    # list of spec tuples, or None
+
+
+def _make_servicer_base():
+    from ..rpc import pathways_pb2_grpc as pbg
+    return pbg.ExecutorServicer
+
+
+class ExecutorService(_make_servicer_base()):
+    def __init__(self, req: dict) -> None:
+        import numpy as np
+        import torch
+        import torch_xla
+        import torch_xla.runtime as xr
+        import torch_xla.distributed.spmd as xs
+        from ..rpc import pathways_pb2 as pb
+        from .store import ObjectStore
+
+        self.pb = pb
+        self.torch = torch
+        self.torch_xla = torch_xla
+        self.xs = xs
+        xr.use_spmd()
+        self.device = torch_xla.device()
+        n = xr.global_runtime_device_count()
+        if n != len(req["devices"]):
+            raise RuntimeError(f"runtime shows {n} devices, slice has {len(req['devices'])}")
+        self.mesh_shape = tuple(req["mesh_shape"])
+        self.axis_names = tuple(req["axis_names"])
+        self.mesh = xs.Mesh(np.arange(n), self.mesh_shape, self.axis_names)
+        self.where = f"island {req['island']} host {req['host']}"
+        self.slice_id = req["slice_id"]
+        self.store = ObjectStore()
+        self.programs: dict = {}
+        self.executed = 0
+        self.compiles = 0
+        self._spec_strings: dict = {}
+        self._puts: dict = {}           # buffer id -> (meta, spec, [chunks]) while chunked
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._events: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    # ------------------------------------------------------------------ helpers
+    def _err(self, kind: str, message: str, program: str = ""):
+        return self.pb.BufferError(kind=kind, message=message, program=program,
+                                   host=self.where)
+
+    def _padded(self, spec, rank: int) -> tuple:
+        entries = list(spec) + [None] * (rank - len(spec))
+        return tuple(entries[:rank])
+
+    def _shard(self, t, spec) -> None:
+        if any(e is not None for e in spec):
+            self.xs.mark_sharding(t, self.mesh, self._padded(spec, t.dim()))
+
+    def _spec_of(self, t):
+        """Map a tensor's HLO sharding back to a partition spec (None if it is none)."""
+        from ..sharding import P, spec_candidates
+        s = self.torch_xla._XLAC._get_xla_sharding_spec(t)
+        rank = t.dim()
+        if s in ("", "{replicated}"):
+            return P(), s
+        table = self._spec_strings.setdefault(rank, {})
+        if s in table:
+            return table[s], s
+        n = 1
+        for m in self.mesh_shape:
+            n *= m
+        for cand in spec_candidates(rank, self.axis_names):
+            if any(v is cand for v in table.values()):
+                continue
+            d = self.torch.zeros((n,) * rank).to(self.device)
+            self._shard(d, cand)
+            cs = self.torch_xla._XLAC._get_xla_sharding_spec(d) or "{replicated}"
+            table.setdefault(cs, cand)
+            if cs == s:
+                return cand, s
+        return None, s
+
+    # ------------------------------------------------------------------ RPCs
+    def Compile(self, request, context):
+        fut: Future = Future()
+        self._queue.put(("compile", request, fut))
+        try:
+            return fut.result()
+        except Exception as e:
+            import grpc
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"compiling program '{request.name}' on {self.where} failed: {e}")
+
+    def Dispatch(self, request_iterator, context):
+        def pump():
+            try:
+                for batch in request_iterator:
+                    for op in batch.ops:
+                        self._queue.put(("op", op, None))
+            except Exception:
+                pass
+            finally:
+                self._events.put(None)
+
+        threading.Thread(target=pump, name="dispatch-pump", daemon=True).start()
+        while True:
+            ev = self._events.get()
+            if ev is None:
+                return
+            yield ev
+
+    def Fetch(self, request, context):
+        pb = self.pb
+        timeout = request.timeout_s or 600.0
+        try:
+            entry = self.store.wait_for(request.buffer_id, request.after_seq, timeout)
+        except TimeoutError:
+            yield pb.FetchChunk(has_error=True, error=self._err(
+                "timeout", f"buffer {request.buffer_id} was not produced within {timeout} s"))
+            return
+        if entry is None:
+            yield pb.FetchChunk(has_error=True, error=self._err(
+                "unknown_buffer", f"buffer {request.buffer_id} does not exist on this slice "
+                "(released, or never created)"))
+            return
+        if entry.error is not None:
+            yield pb.FetchChunk(has_error=True, error=entry.error)
+            return
+        from ..rpc import codec
+        try:
+            cpu = entry.tensor.cpu()
+        except Exception as e:
+            yield pb.FetchChunk(has_error=True, error=self._err("internal", str(e)))
+            return
+        data = codec.to_bytes(cpu)
+        meta = pb.TensorMeta(dtype=codec.dtype_name(cpu.dtype), shape=list(cpu.shape))
+        for i, part in enumerate(codec.chunks(data)):
+            yield pb.FetchChunk(meta=meta if i == 0 else None, data=bytes(part))
+
+    def Wait(self, request, context):
+        pb = self.pb
+        timeout = request.timeout_s or 600.0
+        deadline = time.monotonic() + timeout
+        reply = pb.WaitReply()
+        for bid in request.buffer_ids:
+            try:
+                entry = self.store.wait_for(bid, request.after_seq,
+                                            max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                reply.errors.append(self._err("timeout", f"buffer {bid} not ready in {timeout} s"))
+                reply.failed.append(True)
+                continue
+            if entry is None:
+                reply.errors.append(self._err("unknown_buffer", f"buffer {bid} does not exist"))
+                reply.failed.append(True)
+            elif entry.error is not None:
+                reply.errors.append(entry.error)
+                reply.failed.append(True)
+            else:
+                if entry.tensor is not None:
+                    # Block until the device computation behind the buffer is done.
+                    self.torch_xla._XLAC._xla_sync_multi([entry.tensor], [], wait=True)
+                reply.errors.append(pb.BufferError())
+                reply.failed.append(False)
+        return reply
+
+    def Stats(self, request, context):
+        return self.pb.StatsReply(
+            num_buffers=len(self.store.entries), buffer_bytes=self.store.bytes,
+            num_programs=len(self.programs), num_devices=len(self.mesh.device_ids),
+            executed=self.executed, compiles=self.compiles, pid=os.getpid())
+
+    # ------------------------------------------------------------------ execution thread
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, msg, fut = item
+            if kind == "compile":
+                try:
+                    fut.set_result(self._compile(msg))
+                except Exception as e:
+                    log.debug("compile failed: %s", traceback.format_exc())
+                    fut.set_exception(e)
+                continue
+            which = msg.WhichOneof("kind")
+            try:
+                if which == "execute":
+                    self._execute(msg.execute)
+                elif which == "put":
+                    self._put(msg.put)
+                elif which == "release":
+                    self.store.release(msg.release.buffer_ids)
+                    continue
+                elif which == "barrier":
+                    self._events.put(self.pb.DispatchEvent(barrier=msg.barrier.token))
+            except Exception:  # never let one op kill the stream
+                log.error("op %s failed: %s", which, traceback.format_exc())
+            self.store.advance()
+
+    def _compile(self, req):
+        import torch_xla.core.xla_builder as xb
+        from ..rpc import codec
+        from ..sharding import spec_from_proto, spec_to_proto
+        t0 = time.perf_counter()
+        torch, dev = self.torch, self.device
+        xla_name = "xla::" + (re.sub(r"\W", "_", req.name) or "program")
+        comp = xb.computation_from_module_proto(req.name or "program", req.hlo)
+        constants = [codec.from_bytes(c.data, c.meta.dtype, c.meta.shape).to(dev)
+                     for c in req.constants]
+        params = [("i", p.input) if p.WhichOneof("source") == "input" else ("c", p.constant)
+                  for p in req.params]
+        out_specs = ([tuple(spec_from_proto(s)) for s in req.out_specs]
+                     if req.has_out_specs else None)
+        prog = _Program(req.name, xla_name, comp, params, constants, out_specs)
+        placeholders = []
+        for meta, spec in zip(req.inputs, req.input_specs):
+            t = torch.zeros(tuple(meta.shape), dtype=codec.dtype_from_name(meta.dtype)).to(dev)
+            self._shard(t, spec_from_proto(spec))
+            placeholders.append(t)
+        outs = self._run(prog, placeholders)
+        self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+        reply = self.pb.CompileReply()
+        for o in outs:
+            spec, hlo = self._spec_of(o)
+            spec_to_proto(spec if spec is not None else (), reply.out_specs.add())
+            reply.out_spec_known.append(spec is not None)
+            reply.out_hlo_shardings.append(hlo)
+        self.programs[req.program_id] = prog
+        self.compiles += 1
+        reply.compile_s = time.perf_counter() - t0
+        return reply
+
+    def _run(self, prog: _Program, inputs):
+        args = [inputs[k] if src == "i" else prog.constants[k] for src, k in prog.params]
+        outs = self.torch_xla._XLAC._xla_user_computation(prog.xla_name, args, prog.comp)
+        if prog.out_specs is not None:
+            for o, spec in zip(outs, prog.out_specs):
+                self.xs.mark_sharding(o, self.mesh, self._padded(spec, o.dim()))
+        return outs
+
+    def _execute(self, op) -> None:
+        from ..rpc import codec
+        prog = self.programs.get(op.program_id)
+        if prog is None:
+            err = self._err("program", f"unknown program id {op.program_id!r}")
+            for b in op.outputs:
+                self.store.put(b, _entry(error=err))
+            return
+        inputs = []
+        for b in op.inputs:
+            e = self.store.get(b)
+            if e is None:
+                err = self._err("unknown_buffer",
+                                f"input buffer {b} of program '{prog.name}' does not exist "
+                                "(released or never created)", prog.name)
+                break
+            if e.error is not None:
+                err = e.error   # the original failure travels downstream unchanged
+                break
+            inputs.append(e.tensor)
+        else:
+            err = None
+        if err is None:
+            try:
+                outs = self._run(prog, inputs)
+                if len(outs) != len(op.outputs):
+                    raise RuntimeError(f"program returned {len(outs)} outputs, "
+                                       f"{len(op.outputs)} were declared")
+                self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=False)
+            except Exception as e:
+                err = self._err("program", f"program '{prog.name}' failed on {self.where}: "
+                                f"{type(e).__name__}: {e}", prog.name)
+        if err is not None:
+            for b in op.outputs:
+                self.store.put(b, _entry(error=err))
+            return
+        for b, o in zip(op.outputs, outs):
+            self.store.put(b, _entry(tensor=o, nbytes=codec.nbytes(o.dtype, o.shape)))
+        self.executed += 1
+
+    def _put(self, op) -> None:
+        from ..rpc import codec
+        from ..sharding import spec_from_proto
+        parts = self._puts.get(op.buffer_id)
+        if not op.last:
+            if parts is None:
+                self._puts[op.buffer_id] = (op.meta, op.spec, [op.data])
+            else:
+                parts[2].append(op.data)
+            return
+        if parts is not None:
+            del self._puts[op.buffer_id]
+            meta, spec, chunks = parts
+            data = b"".join(chunks + [op.data])
+        else:
+            meta, spec, data = op.meta, op.spec, op.data
+        try:
+            cpu = codec.from_bytes(data, meta.dtype, meta.shape)
+            t = cpu.to(self.device)
+            self._shard(t, spec_from_proto(spec))
+            entry = _entry(tensor=t, nbytes=len(data))
+        except Exception as e:
+            entry = _entry(error=self._err("input", f"put of buffer {op.buffer_id} failed: {e}"))
+        self.store.put(op.buffer_id, entry)
+
+
+def _entry(tensor=None, error=None, nbytes: int = 0):
+    from .store import Entry
+    return Entry(tensor, error, nbytes)

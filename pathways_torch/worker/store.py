@@ -1,0 +1,65 @@
+"""The executor's object store: device buffers (or their failures) keyed by buffer id."""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Optional
+
+
+class Entry:
+    __slots__ = ("tensor", "error", "nbytes")
+
+    def __init__(self, tensor=None, error=None, nbytes: int = 0) -> None:
+        self.tensor = tensor      # a torch_xla tensor (possibly still being computed)
+        self.error = error        # a pb.BufferError when the buffer could not be produced
+        self.nbytes = nbytes
+
+
+class ObjectStore:
+    """Buffers by id, plus the count of ordered ops processed so far.
+
+    Readers (Fetch, Wait) run on gRPC threads and wait on the condition until the op
+    that produces their buffer has been processed by the execution thread.
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.entries: Dict[int, Entry] = {}
+        self.processed = 0          # ordered (non-release) ops processed
+        self.bytes = 0
+
+    def put(self, buffer_id: int, entry: Entry) -> None:
+        with self.cond:
+            old = self.entries.get(buffer_id)
+            if old is not None:
+                self.bytes -= old.nbytes
+            self.entries[buffer_id] = entry
+            self.bytes += entry.nbytes
+
+    def get(self, buffer_id: int) -> Optional[Entry]:
+        return self.entries.get(buffer_id)
+
+    def release(self, ids) -> None:
+        with self.cond:
+            for i in ids:
+                e = self.entries.pop(i, None)
+                if e is not None:
+                    self.bytes -= e.nbytes
+
+    def advance(self, n: int = 1) -> None:
+        with self.cond:
+            self.processed += n
+            self.cond.notify_all()
+
+    def wait_for(self, buffer_id: int, after_seq: int, timeout: float) -> Optional[Entry]:
+        """Wait until the buffer exists or the op sequence passed ``after_seq``.
+
+        Returns the entry, or None if it is unknown once its producer should have run.
+        Raises TimeoutError past ``timeout`` seconds.
+        """
+        with self.cond:
+            ok = self.cond.wait_for(
+                lambda: buffer_id in self.entries or self.processed >= after_seq, timeout)
+            if not ok:
+                raise TimeoutError
+            return self.entries.get(buffer_id)
