@@ -55,8 +55,33 @@ def _executions() -> Tuple[int, int]:
             transfers[0] if transfers else 0)
 
 
-_SHAPE_WORDS = ("shape", "size", "dimension", "dtype", "must match", "expected", "broadcast",
+_SHAPE_WORDS = ("shape", "size", "dimension", "dtype", "expected", "got torch.", "must match", "expected", "broadcast",
                 "mat1", "mat2", "same number", "cannot be multiplied", "scalar type")
+
+
+def _check_with_meta(fn: Callable, name: str, in_avals, build_args, sig: str) -> None:
+    """Run ``fn`` on meta tensors: PyTorch's own shape and dtype checks, for free.
+
+    torch_xla's lazy tensors are more lenient than eager PyTorch in places (a float @
+    int matmul promotes instead of failing), so a program that plain PyTorch rejects
+    is rejected here too. Failures that are not about shapes or dtypes (ops without
+    meta kernels, reads of values) are left to the lazy trace.
+    """
+    try:
+        metas = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in in_avals]
+        args, kwargs = build_args(metas)
+        fn(*args, **kwargs)
+    except PathwaysError:
+        raise
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        text = str(e).lower()
+        if "meta" in text or not any(w in text for w in _SHAPE_WORDS):
+            return
+        raise ShapeError(f"program '{name}' does not accept inputs ({sig}): "
+                         f"{type(e).__name__}: {e}\nCheck the shapes and dtypes of the "
+                         "arguments.") from e
+    except Exception:
+        return
 
 
 def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], torch.dtype]],
@@ -65,6 +90,8 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
     from torch.utils import _pytree as pytree
     import torch_xla
     X = torch_xla._XLAC
+    sig = ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for s, d in in_avals)
+    _check_with_meta(fn, name, in_avals, build_args, sig)
     with _lock:
         dev = xla_device()
         placeholders = [torch.zeros(shape, dtype=dtype).to(dev) for shape, dtype in in_avals]
@@ -76,7 +103,6 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         except PathwaysError:
             raise
         except Exception as e:
-            sig = ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for s, d in in_avals)
             msg = (f"tracing program '{name}' with inputs ({sig}) failed: "
                    f"{type(e).__name__}: {e}")
             if isinstance(e, (RuntimeError, ValueError, IndexError)) and any(

@@ -1,15 +1,15 @@
 """The client's link to one slice's executor: an ordered, batched control stream.
 
-Every put, execution and barrier goes onto one long-lived bidirectional gRPC stream.
-A sender thread drains whatever is queued into one ``OpBatch`` message, so many tiny
-programs cost one message, not one round trip each (Python gRPC spends ~200 µs of CPU
-per message on each side here; see docs/architecture.md). Releases of dropped Arrays
-are collected lock-free and ride along with the next batch.
+Every put, execution, release and barrier goes onto one long-lived bidirectional gRPC
+stream. The stream's request iterator drains whatever is queued into one ``OpBatch``
+message, so many tiny programs cost one message, not one round trip each (Python gRPC
+spends ~200 µs of CPU per message on each side here; see docs/architecture.md).
+Releases of dropped Arrays are queued from finalizers in their place in the order, so
+a release never overtakes the op that creates its buffer.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import queue
 import threading
@@ -47,7 +47,6 @@ class ExecutorConnection:
         self._channel = grpc_util.channel(address)
         self.stub = pbg.ExecutorStub(self._channel)
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._releases: collections.deque = collections.deque()
         self._seq = 0                      # ordered ops queued so far
         self._seq_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -76,9 +75,9 @@ class ExecutorConnection:
         return self._seq
 
     def release(self, buffer_id: int) -> None:
-        """Called from Array finalizers: must not block or take locks."""
+        """Called from Array finalizers; SimpleQueue.put is safe there (reentrant)."""
         if not self.closed:
-            self._releases.append(buffer_id)
+            self._q.put(buffer_id)
 
     def put(self, tensor, spec_msg: pb.Spec) -> int:
         """Send a CPU tensor to the slice (chunked), returning its buffer id."""
@@ -94,34 +93,34 @@ class ExecutorConnection:
 
     # ------------------------------------------------------------- stream plumbing
     def _requests(self) -> Iterable[pb.OpBatch]:
-        q, rel = self._q, self._releases
+        """Drain the queue into batches; releases (ints) keep their place in the order."""
+        q = self._q
         while True:
-            try:
-                first = q.get(timeout=0.05)
-            except queue.Empty:
-                first = None
+            item = q.get()
             ops: List[pb.Op] = []
-            size = 0
-            done = first is _CLOSE
-            if first is not None and not done:
-                ops.append(first)
-                size += first.ByteSize() if first.HasField("put") else 0
-                while len(ops) < _MAX_BATCH_OPS and size < _MAX_BATCH_BYTES:
-                    try:
-                        nxt = q.get_nowait()
-                    except queue.Empty:
-                        break
-                    if nxt is _CLOSE:
-                        done = True
-                        break
-                    ops.append(nxt)
-                    if nxt.HasField("put"):
-                        size += nxt.ByteSize()
-            if rel:
-                ids = []
-                while rel:
-                    ids.append(rel.popleft())
-                ops.append(pb.Op(release=pb.ReleaseOp(buffer_ids=ids)))
+            releases: List[int] = []
+            size, done = 0, False
+            while True:
+                if item is _CLOSE:
+                    done = True
+                    break
+                if isinstance(item, int):
+                    releases.append(item)
+                else:
+                    if releases:
+                        ops.append(pb.Op(release=pb.ReleaseOp(buffer_ids=releases)))
+                        releases = []
+                    ops.append(item)
+                    if item.HasField("put"):
+                        size += item.ByteSize()
+                if len(ops) >= _MAX_BATCH_OPS or size >= _MAX_BATCH_BYTES:
+                    break
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+            if releases:
+                ops.append(pb.Op(release=pb.ReleaseOp(buffer_ids=releases)))
             if ops:
                 yield pb.OpBatch(ops=ops)
             if done:

@@ -192,8 +192,10 @@ class ExecutorService(_make_servicer_base()):
         from ..rpc import codec
         try:
             cpu = entry.tensor.cpu()
-        except Exception as e:
-            yield pb.FetchChunk(has_error=True, error=self._err("internal", str(e)))
+        except Exception as e:  # an asynchronous execution failure surfaces here
+            what = f"program '{entry.origin}'" if entry.origin else "a put"
+            yield pb.FetchChunk(has_error=True, error=self._err(
+                "program", f"{what} failed on {self.where}: {e}", entry.origin))
             return
         data = codec.to_bytes(cpu)
         meta = pb.TensorMeta(dtype=codec.dtype_name(cpu.dtype), shape=list(cpu.shape))
@@ -205,6 +207,7 @@ class ExecutorService(_make_servicer_base()):
         timeout = request.timeout_s or 600.0
         deadline = time.monotonic() + timeout
         reply = pb.WaitReply()
+        ready = False
         for bid in request.buffer_ids:
             try:
                 entry = self.store.wait_for(bid, request.after_seq,
@@ -220,11 +223,12 @@ class ExecutorService(_make_servicer_base()):
                 reply.errors.append(entry.error)
                 reply.failed.append(True)
             else:
-                if entry.tensor is not None:
-                    # Block until the device computation behind the buffer is done.
-                    self.torch_xla._XLAC._xla_sync_multi([entry.tensor], [], wait=True)
+                ready = True
                 reply.errors.append(pb.BufferError())
                 reply.failed.append(False)
+        if ready:
+            # Block until the device work queued so far (which produces them) is done.
+            self.torch_xla._XLAC._xla_wait_device_ops([])
         return reply
 
     def Stats(self, request, context):
@@ -283,7 +287,12 @@ class ExecutorService(_make_servicer_base()):
             self._shard(t, spec_from_proto(spec))
             placeholders.append(t)
         outs = self._run(prog, placeholders)
-        self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+        if out_specs is not None:
+            # Output shardings are given: compile only.
+            self.torch_xla._XLAC._xla_warm_up_cache(outs, [])
+        else:
+            # Run once on zeros to learn the shardings XLA's propagation chose.
+            self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
         reply = self.pb.CompileReply()
         for o in outs:
             spec, hlo = self._spec_of(o)
@@ -340,7 +349,8 @@ class ExecutorService(_make_servicer_base()):
                 self.store.put(b, _entry(error=err))
             return
         for b, o in zip(op.outputs, outs):
-            self.store.put(b, _entry(tensor=o, nbytes=codec.nbytes(o.dtype, o.shape)))
+            self.store.put(b, _entry(tensor=o, nbytes=codec.nbytes(o.dtype, o.shape),
+                                     origin=prog.name))
         self.executed += 1
 
     def _put(self, op) -> None:
@@ -369,6 +379,6 @@ class ExecutorService(_make_servicer_base()):
         self.store.put(op.buffer_id, entry)
 
 
-def _entry(tensor=None, error=None, nbytes: int = 0):
+def _entry(tensor=None, error=None, nbytes: int = 0, origin: str = ""):
     from .store import Entry
-    return Entry(tensor, error, nbytes)
+    return Entry(tensor, error, nbytes, origin)

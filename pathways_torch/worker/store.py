@@ -7,12 +7,13 @@ from typing import Dict, Optional
 
 
 class Entry:
-    __slots__ = ("tensor", "error", "nbytes")
+    __slots__ = ("tensor", "error", "nbytes", "origin")
 
-    def __init__(self, tensor=None, error=None, nbytes: int = 0) -> None:
+    def __init__(self, tensor=None, error=None, nbytes: int = 0, origin: str = "") -> None:
         self.tensor = tensor      # a torch_xla tensor (possibly still being computed)
         self.error = error        # a pb.BufferError when the buffer could not be produced
         self.nbytes = nbytes
+        self.origin = origin      # the program that produced it ("" for a put)
 
 
 class ObjectStore:

@@ -1,0 +1,30 @@
+# The two commands: `make demo` and `make test`. Both bootstrap .venv idempotently:
+# the stamp file is rebuilt only when requirements.txt or setup.py change.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pathways-installed
+
+.PHONY: demo test bench proto clean-venv
+
+$(STAMP): requirements.txt setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) recipes/quickstart.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) bench/dispatch.py
+
+# Regenerate the committed gRPC stubs from proto/pathways.proto.
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Ipathways_torch/rpc=proto --python_out=. --grpc_python_out=. proto/pathways.proto
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,124 @@
+"""Every user error is typed, says what to do, and leaves the cluster usable."""
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch import P
+
+
+@pytest.fixture(scope="module")
+def s(cluster8):
+    sl = pw.slice((2, 2), axis_names=("data", "model"))
+    yield sl
+    sl.release()
+
+
+@pw.program
+def matmul(x, w):
+    return x @ w
+
+
+def still_works(s):
+    a = pw.put(torch.ones(8, 4), s, P("data"))
+    b = pw.put(torch.ones(4, 2), s)
+    assert torch.equal(matmul(a, b).torch(), torch.full((8, 2), 4.0))
+
+
+def test_shape_mismatch_is_raised_in_the_client(s):
+    x, w = pw.put(torch.randn(8, 4), s), pw.put(torch.randn(5, 3), s)
+    with pytest.raises(pw.ShapeError, match=r"matmul.*float32\[8, 4\].*float32\[5, 3\]"):
+        matmul(x, w)
+    still_works(s)
+
+
+def test_dtype_mismatch_is_raised_in_the_client(s):
+    @pw.program
+    def select(cond, a, b):
+        return torch.where(cond, a, b)
+
+    a = pw.put(torch.randn(8), s)
+    with pytest.raises(pw.ShapeError, match="select.*bool"):
+        select(a, a, a)                              # a float condition: torch rejects it
+    got = select(pw.put(torch.arange(8) % 2 == 0, s), a, pw.put(torch.zeros(8), s))
+    assert torch.equal(got.torch(), torch.where(torch.arange(8) % 2 == 0, a.torch(), 0.0))
+    still_works(s)
+
+
+def test_item_inside_a_program(s):
+    @pw.program
+    def normalize(x):
+        return x / x.sum().item()
+
+    with pytest.raises(pw.DataDependentError, match="torch.where"):
+        normalize(pw.put(torch.ones(8), s))
+    still_works(s)
+
+
+def test_data_dependent_control_flow(s):
+    @pw.program
+    def branch(x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+    with pytest.raises(pw.DataDependentError, match="normalize|branch|control flow"):
+        branch(pw.put(torch.ones(8), s))
+
+
+def test_unknown_axis_and_indivisible_dimension(s):
+    with pytest.raises(pw.ShardingError, match="'batch'.*\\('data', 'model'\\)"):
+        pw.put(torch.ones(8, 8), s, P("batch"))
+    with pytest.raises(pw.ShardingError, match="size 6.*multiple of 4"):
+        pw.put(torch.ones(6, 8), s, P(("data", "model")))
+    with pytest.raises(ValueError):                 # ShardingError is a ValueError too
+        pw.put(torch.ones(8, 7), s, P(None, "model"))
+
+    @pw.program(out_specs=P("data"))
+    def ident(x):
+        return x + 1
+
+    with pytest.raises(pw.ShardingError, match="output 0 of program 'ident'"):
+        ident(pw.put(torch.ones(5), s))
+    still_works(s)
+
+
+def test_inputs_on_two_slices(s):
+    other = pw.slice((1,))
+    try:
+        with pytest.raises(pw.PlacementError, match="two slices"):
+            matmul(pw.put(torch.ones(2, 2), s), pw.put(torch.ones(2, 2), other))
+        with pytest.raises(pw.PlacementError, match="no pw.Array"):
+            matmul(torch.ones(2, 2), torch.ones(2, 2))
+    finally:
+        other.release()
+
+
+def test_slice_larger_than_free(s):
+    with pytest.raises(pw.ResourceExhaustedError, match="free now: island 0 host 0: 4 of 8"):
+        pw.slice((8,))
+    with pytest.raises(pw.ResourceExhaustedError, match="at most 8"):
+        pw.slice((16,))
+
+
+def test_failure_on_the_worker_names_the_program(s):
+    @pw.program(out_specs=P())
+    def huge(x):
+        return torch.ones(2 ** 38, device=x.device) * x.sum()   # 1 TiB: cannot be allocated
+
+    y = huge(pw.put(torch.ones(4), s))      # dispatch returns: the failure is remote
+    assert y.shape == (2 ** 38,)
+    with pytest.raises(pw.ProgramError, match="huge") as info:
+        y.torch()
+    assert info.value.program == "huge" and "host 0" in info.value.host
+    still_works(s)
+
+
+def test_static_arguments_must_be_plain_values(s):
+    with pytest.raises(pw.TraceError, match="static Python value"):
+        matmul(pw.put(torch.ones(2, 2), s), object())
+
+
+def test_array_cannot_be_used_as_bool(s):
+    with pytest.raises(TypeError, match="item"):
+        bool(pw.put(torch.ones(1), s))

@@ -1,0 +1,119 @@
+"""Start-up, release of buffers, shutdown and its guarantees, with real processes."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch import P
+
+
+def descendants(pid):
+    """Every live process below ``pid`` (from /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_api_before_init():
+    assert not pw.is_initialized()
+    for call in (pw.devices, lambda: pw.slice((1,))):
+        with pytest.raises(pw.NotInitializedError, match=r"pw.init\(\)"):
+            call()
+
+    @pw.program
+    def f(x):
+        return x
+
+    with pytest.raises(pw.NotInitializedError):
+        f(torch.ones(1))
+
+
+def test_devices_release_shutdown_and_no_orphans():
+    pw.init(devices_per_host=4, timeout=120)
+    try:
+        devs = pw.devices()
+        assert [(d.island, d.host, d.index) for d in devs] == [(0, 0, i) for i in range(4)]
+        assert {d.kind for d in devs} == {os.environ.get("PJRT_DEVICE", "CPU")}
+
+        s = pw.slice((2,))
+        assert sum(d.state == "in_use" for d in pw.devices()) == 2
+        start = s.stats().num_buffers
+
+        @pw.program
+        def inc(x):
+            return x + 1
+
+        # 1,000 Arrays created and dropped: the worker's buffer count comes back.
+        x = pw.put(torch.zeros(4, 4), s)
+        for _ in range(500):
+            y = inc(x)
+            z = pw.put(torch.ones(2), s)
+            del y, z
+        pw.wait([x])
+        deadline = time.monotonic() + 10
+        while s.stats().num_buffers != start + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.stats().num_buffers == start + 1      # only x is left
+        del x
+        deadline = time.monotonic() + 10
+        while s.stats().num_buffers != start and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.stats().num_buffers == start
+
+        # Releasing a slice frees its devices and kills its Arrays.
+        a = pw.put(torch.ones(2), s)
+        s.release()
+        assert all(d.state == "free" for d in pw.devices())
+        with pytest.raises(pw.ClusterShutdownError, match="released"):
+            a.torch()
+
+        s2 = pw.slice((4,))
+        b = inc(pw.put(torch.ones(4), s2))
+        b.wait()
+        procs = descendants(os.getpid())
+        assert len(procs) >= 4      # coordinator, worker agent, zygote, executor
+    finally:
+        pw.shutdown()
+    assert not pw.is_initialized()
+    left = [p for p in procs if alive(p)]
+    assert left == [], f"processes outlived pw.shutdown(): {left}"
+    with pytest.raises(pw.ClusterShutdownError):
+        b.torch()
+    with pytest.raises(pw.NotInitializedError):
+        pw.slice((1,))
+
+
+def test_init_twice_and_again_after_shutdown():
+    pw.init(devices_per_host=1, timeout=120)
+    try:
+        with pytest.raises(pw.PathwaysError, match="already"):
+            pw.init()
+        s = pw.slice((1,))
+        assert pw.put(torch.arange(3.), s).torch().tolist() == [0., 1., 2.]
+    finally:
+        pw.shutdown()
+    pw.shutdown()                                    # idempotent
