@@ -88,12 +88,12 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
           build_args: Callable[[List[torch.Tensor]], Tuple[tuple, dict]]) -> Traced:
     """Trace ``fn`` on placeholders of ``in_avals``; ``build_args`` places them in the args."""
     from torch.utils import _pytree as pytree
-    import torch_xla
-    X = torch_xla._XLAC
     sig = ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for s, d in in_avals)
     _check_with_meta(fn, name, in_avals, build_args, sig)
     with _lock:
         dev = xla_device()
+        import torch_xla
+        X = torch_xla._XLAC
         placeholders = [torch.zeros(shape, dtype=dtype).to(dev) for shape, dtype in in_avals]
         ids = {X._xla_get_tensor_id(p): k for k, p in enumerate(placeholders)}
         args, kwargs = build_args(placeholders)
