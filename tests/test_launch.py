@@ -1,0 +1,111 @@
+"""pathways-run and process teardown: normal exit, crash, interpreter exit, SIGKILL."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from procs import port_closed, wait_gone, with_cmdline
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RUN = [sys.executable, "-m", "pathways_torch"]     # what the pathways-run script calls
+
+CLIENT = textwrap.dedent("""
+    import os, sys, torch
+    import pathways_torch as pw
+    pw.init()
+    print("ADDRESS", os.environ.get("PATHWAYS_ADDRESS", ""), flush=True)
+    print("DEVICES", len(pw.devices()), flush=True)
+    s = pw.slice((2,))
+
+    @pw.program
+    def double(x):
+        return x * 2
+
+    print("RESULT", double(pw.put(torch.arange(4.), s)).torch().tolist(), flush=True)
+    if len(sys.argv) > 1 and sys.argv[1] == "crash":
+        raise SystemExit(3)
+""")
+
+
+def env():
+    e = dict(os.environ)
+    e.pop("PATHWAYS_ADDRESS", None)
+    return e
+
+
+def lines(out, key):
+    return [l.split(" ", 1)[1] for l in out.splitlines() if l.startswith(key + " ")]
+
+
+@pytest.fixture()
+def client_script(tmp_path):
+    p = tmp_path / "client.py"
+    p.write_text(CLIENT)
+    return p
+
+
+def test_pathways_run_runs_the_script_and_stops_the_cluster(client_script):
+    r = subprocess.run(RUN + ["--devices-per-host", "2", str(client_script)], env=env(),
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (address,) = lines(r.stdout, "ADDRESS")
+    assert address.startswith("127.0.0.1:")          # pw.init() found the launcher's cluster
+    assert lines(r.stdout, "DEVICES") == ["2"]
+    assert lines(r.stdout, "RESULT") == ["[0.0, 2.0, 4.0, 6.0]"]
+    assert wait_gone(with_cmdline(address)) == []
+    assert port_closed(address)            # the coordinator is gone too
+
+
+def test_pathways_run_passes_on_the_exit_code_of_a_crash(client_script):
+    r = subprocess.run(RUN + ["--devices-per-host", "2", str(client_script), "crash"],
+                       env=env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 3
+    (address,) = lines(r.stdout, "ADDRESS")
+    assert wait_gone(with_cmdline(address)) == []
+    assert port_closed(address)            # the coordinator is gone too
+
+
+EMBEDDED = textwrap.dedent("""
+    import os, sys, time, torch
+    import pathways_torch as pw
+    pw.init(devices_per_host=2)
+    s = pw.slice((2,))
+    pw.put(torch.ones(2), s).torch()
+    print("ADDRESS", pw.client.runtime._state.address, flush=True)
+    if sys.argv[1] == "sleep":
+        time.sleep(300)
+""")
+
+
+def test_interpreter_exit_stops_the_embedded_cluster(tmp_path):
+    p = tmp_path / "embedded.py"
+    p.write_text(EMBEDDED)
+    r = subprocess.run([sys.executable, str(p), "exit"], env=env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (address,) = lines(r.stdout, "ADDRESS")
+    assert wait_gone(with_cmdline(address)) == []
+    assert port_closed(address)            # the coordinator is gone too
+
+
+def test_sigkill_of_the_client_takes_the_cluster_down(tmp_path):
+    p = tmp_path / "embedded.py"
+    p.write_text(EMBEDDED)
+    proc = subprocess.Popen([sys.executable, str(p), "sleep"], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ADDRESS "), line
+        address = line.split()[1]
+        procs = with_cmdline(address)
+        assert len(procs) >= 2                        # coordinator and worker agent
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert wait_gone(with_cmdline(address), timeout=20) == []
+    assert port_closed(address)
