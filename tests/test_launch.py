@@ -109,3 +109,38 @@ def test_sigkill_of_the_client_takes_the_cluster_down(tmp_path):
         proc.wait()
     assert wait_gone(with_cmdline(address), timeout=20) == []
     assert port_closed(address)
+
+
+HOLDER = textwrap.dedent("""
+    import torch
+    import pathways_torch as pw
+    pw.init()                                   # PATHWAYS_ADDRESS: the test's cluster
+    s = pw.slice((3,))
+    pw.put(torch.ones(3), s).torch()
+    print("HELD", sum(d.state == "in_use" for d in pw.devices()), flush=True)
+    # exits without release or shutdown
+""")
+
+
+def test_a_client_that_exits_loses_its_slices(tmp_path):
+    from pathways_torch.client.cluster import LocalCluster
+    import pathways_torch as pw
+    p = tmp_path / "holder.py"
+    p.write_text(HOLDER)
+    with LocalCluster(devices_per_host=4) as cluster:
+        e = env()
+        e["PATHWAYS_ADDRESS"] = cluster.address
+        r = subprocess.run([sys.executable, str(p)], env=e, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert lines(r.stdout, "HELD") == ["3"]
+        pw.init(cluster.address)
+        try:
+            import time
+            deadline = time.monotonic() + 10
+            while any(d.state != "free" for d in pw.devices()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert [d.state for d in pw.devices()] == ["free"] * 4
+            assert len(pw.slice((4,)).devices) == 4     # the whole host is usable again
+        finally:
+            pw.shutdown()
