@@ -26,7 +26,9 @@ Example::
 
 from .client.array import Array, put, wait
 from .client.program import Program, program
-from .client.runtime import Device, Slice, devices, init, is_initialized, shutdown, slice
+from .client.graph import Graph, graph
+from .client.runtime import (Device, Slice, devices, dispatch_mode, init, is_initialized,
+                             shutdown, slice)
 from .errors import (ClusterShutdownError, DataDependentError, NotInitializedError,
                      PathwaysError, PlacementError, ProgramError, ResourceExhaustedError,
                      ShapeError, ShardingError, TimeoutError, TraceError, WorkerLostError)
@@ -36,7 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "is_initialized", "devices", "slice", "put", "wait", "program",
-    "P", "Array", "Slice", "Device", "Program",
+    "graph", "dispatch_mode", "P", "Array", "Slice", "Device", "Program", "Graph",
     "PathwaysError", "NotInitializedError", "ClusterShutdownError", "ResourceExhaustedError",
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",
     "ProgramError", "WorkerLostError", "TimeoutError",

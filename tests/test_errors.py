@@ -83,13 +83,15 @@ def test_unknown_axis_and_indivisible_dimension(s):
     still_works(s)
 
 
-def test_inputs_on_two_slices(s):
+def test_inputs_on_two_slices_move_to_the_first(s):
     other = pw.slice((1,))
     try:
-        with pytest.raises(pw.PlacementError, match="two slices"):
-            matmul(pw.put(torch.ones(2, 2), s), pw.put(torch.ones(2, 2), other))
+        y = matmul(pw.put(torch.ones(2, 2), s), pw.put(torch.ones(2, 2) * 3, other))
+        assert y.slice is s and torch.equal(y.torch(), torch.full((2, 2), 6.0))
         with pytest.raises(pw.PlacementError, match="no pw.Array"):
             matmul(torch.ones(2, 2), torch.ones(2, 2))
+        with pytest.raises(pw.ShardingError, match="Array.to"):
+            pw.put(torch.ones(4), s).to(other, P("data", "model"))
     finally:
         other.release()
 

@@ -24,6 +24,7 @@ from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, spec_to_proto, validate_spec
 from . import runtime
+from .graph import SeqCell, seq_of
 
 
 class Array:
@@ -63,7 +64,7 @@ class Array:
     def torch(self) -> torch.Tensor:
         """Block until the value exists and return it as a CPU tensor."""
         runtime.check_alive(self.slice)
-        return self._conn.fetch(self._id, self._seq, self._what())
+        return self._conn.fetch(self._id, seq_of(self._seq), self._what())
 
     def numpy(self) -> np.ndarray:
         """Block until the value exists and return it as a numpy array."""
@@ -85,14 +86,20 @@ class Array:
         return self
 
     def to(self, slice_: "runtime.Slice", spec=None) -> "Array":
-        """This Array with another sharding ``spec`` (same slice: a resharding program)."""
+        """This Array on ``slice_`` with partition spec ``spec`` (default replicated).
+
+        On the same slice it is a resharding program. To another slice the bytes go
+        worker to worker (shared memory on one host, the data network between hosts
+        and islands), never through the client; the call returns at once and the move
+        starts as soon as this Array's producer finishes.
+        """
         runtime.check_alive(self.slice)
-        if slice_ is not self.slice:
-            raise PlacementError(
-                f"moving an Array between slices ({self.slice!r} -> {slice_!r}) is not "
-                "supported by this version; put the data on the target slice with pw.put")
-        from .program import reshard
-        return reshard(self, as_spec(spec))
+        runtime.check_alive(slice_)
+        spec = as_spec(spec)
+        if slice_ is self.slice:
+            from .program import reshard
+            return reshard(self, spec)
+        return transfer(self, slice_, spec)
 
     def __repr__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
@@ -100,6 +107,12 @@ class Array:
 
     def __del__(self) -> None:
         try:
+            seq = self._seq
+            if isinstance(seq, SeqCell):
+                with seq.lock:
+                    if seq.value is None:       # its graph is not submitted yet
+                        seq.deferred.append((self._conn, self._id))
+                        return
             self._conn.release(self._id)
         except AttributeError:
             pass
@@ -132,9 +145,31 @@ def put(value: Union[torch.Tensor, np.ndarray], slice_: "runtime.Slice", spec=No
     msg = pb.Spec()
     spec_to_proto(spec, msg)
     codec.dtype_name(value.dtype)
-    bid = slice_._conn.put(value, msg)
-    return Array(slice_, bid, slice_._conn.seq, value.shape, value.dtype,
-                 spec.normalized(value.dim()), "pw.put")
+    bid, seq = slice_._conn.put(value, msg)
+    return Array(slice_, bid, seq, value.shape, value.dtype, spec.normalized(value.dim()),
+                 "pw.put")
+
+
+def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
+    """Move ``a`` to another slice with ``spec``: a SendOp on its slice, a RecvOp on dst."""
+    import random
+    state = runtime.get_state()
+    validate_spec(spec, a.shape, dst.axis_names, dst.mesh_shape, "Array.to")
+    if state.dispatch == "sequential":
+        wait([a])
+    msg = pb.Spec()
+    spec_to_proto(spec, msg)
+    tid = random.getrandbits(63) | 1
+    dst_conn = dst._conn
+    bid = dst_conn.new_id()
+    seq = dst_conn.send(pb.Op(recv=pb.RecvOp(
+        buffer_id=bid, transfer_id=tid, spec=msg,
+        meta=pb.TensorMeta(dtype=codec.dtype_name(a.dtype), shape=list(a.shape)))))
+    same_host = (a.slice.island, a.slice.host) == (dst.island, dst.host)
+    a._conn.send(pb.Op(send=pb.SendOp(buffer_id=a._id, dst_data_address=dst.data_address,
+                                      transfer_id=tid, same_host=same_host)))
+    return Array(dst, bid, seq, a.shape, a.dtype, spec.normalized(a.ndim),
+                 f"a transfer of {a._origin}")
 
 
 def wait(arrays: Iterable[Array]) -> None:
@@ -152,6 +187,6 @@ def wait(arrays: Iterable[Array]) -> None:
         g = groups.setdefault(id(a._conn), {"conn": a._conn, "ids": [], "seq": 0,
                                             "what": a._what()})
         g["ids"].append(a._id)
-        g["seq"] = max(g["seq"], a._seq)
+        g["seq"] = max(g["seq"], seq_of(a._seq))
     for g in groups.values():
         g["conn"].wait(g["ids"], g["seq"], g["what"])

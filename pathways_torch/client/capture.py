@@ -1,9 +1,13 @@
 """Capture: trace a torch function with torch_xla lazy tensors into a portable program.
 
-The client runs the function once per input signature on placeholder tensors that
-live on a local XLA device. Nothing executes: the lazy IR of the outputs is lowered to
-an HLO module (``_get_xla_tensors_hlo_proto``), which is what travels to the workers.
-Output shapes and dtypes are known from the lazy tensors, before anything runs.
+The client runs the function once per input signature on placeholder tensors
+(``create_placeholder_tensor``: shape and dtype, no memory, so tracing a program over
+a 100 GB input costs nothing). Nothing executes: the lazy IR of the outputs is lowered
+to an HLO module (``_get_xla_tensors_hlo_proto``), which is what travels to the
+workers. Output shapes and dtypes are known from the lazy tensors, before anything runs.
+A dispatch-mode guard turns every read of a value (``.item()``, ``bool(t)``,
+``.cpu()``, data-dependent shapes) into ``DataDependentError`` before it reaches XLA,
+where reading a placeholder would crash the process.
 
 The HLO's parameters follow the graph's device-data order, not the argument order:
 each parameter is mapped back to a program input (by tensor id) or to a constant the
@@ -46,6 +50,51 @@ class Traced:
     out_tree: Any                        # pytree spec of the outputs
     out_static: List[Any]                # per flat output leaf: None for tensors, else the value
     fingerprint: str
+
+
+_VALUE_READS = None
+
+
+def _value_reads():
+    global _VALUE_READS
+    if _VALUE_READS is None:
+        aten = torch.ops.aten
+        _VALUE_READS = {
+            aten._local_scalar_dense.default: ".item(), bool(t), float(t) or `if t:`",
+            aten.is_nonzero.default: "bool(t) or `if t:`",
+            aten.equal.default: "torch.equal",
+            aten.nonzero.default: "nonzero (a shape that depends on data)",
+            aten.masked_select.default: "masked_select (a shape that depends on data)",
+            aten._unique2.default: "unique (a shape that depends on data)",
+            aten.unique_consecutive.default: "unique_consecutive",
+        }
+    return _VALUE_READS
+
+
+def _data_dependent(name: str, what: str) -> DataDependentError:
+    return DataDependentError(
+        f"program '{name}' reads a tensor's value while being traced ({what}). Programs "
+        "are traced once, on shapes and dtypes only, so their Python control flow and "
+        "shapes cannot depend on data: use torch.where / masks, or move that logic "
+        "outside the program and read the result with Array.torch()")
+
+
+def _guard(name: str):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    reads = _value_reads()
+    to_copy = torch.ops.aten._to_copy.default
+
+    class _Guard(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in reads:
+                raise _data_dependent(name, reads[func])
+            if func is to_copy and kwargs.get("device") is not None and \
+                    torch.device(kwargs["device"]).type == "cpu":
+                raise _data_dependent(name, ".cpu(), .numpy(), print(t) or .tolist()")
+            return func(*args, **kwargs)
+
+    return _Guard()
 
 
 def _executions() -> Tuple[int, int]:
@@ -93,16 +142,21 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
     with _lock:
         dev = xla_device()
         import torch_xla
+        from torch_xla.core.xla_builder import create_placeholder_tensor
         X = torch_xla._XLAC
-        placeholders = [torch.zeros(shape, dtype=dtype).to(dev) for shape, dtype in in_avals]
+        placeholders = [create_placeholder_tensor(tuple(shape), dtype)
+                        for shape, dtype in in_avals]
         ids = {X._xla_get_tensor_id(p): k for k, p in enumerate(placeholders)}
         args, kwargs = build_args(placeholders)
         before = _executions()
         try:
-            out = fn(*args, **kwargs)
+            with _guard(name):
+                out = fn(*args, **kwargs)
         except PathwaysError:
             raise
         except Exception as e:
+            if "access XLA data" in str(e):
+                raise _data_dependent(name, "printing or reading it") from e
             msg = (f"tracing program '{name}' with inputs ({sig}) failed: "
                    f"{type(e).__name__}: {e}")
             if isinstance(e, (RuntimeError, ValueError, IndexError)) and any(
@@ -110,12 +164,7 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
                 raise ShapeError(msg + "\nCheck the shapes and dtypes of the arguments.") from e
             raise TraceError(msg) from e
         if _executions() != before:
-            raise DataDependentError(
-                f"program '{name}' read a tensor's value while being traced (.item(), "
-                "bool(t), `if t:`, print(t), .tolist(), .cpu()). Programs are traced once "
-                "on placeholders, so their Python control flow cannot depend on data: use "
-                "torch.where, or move that logic outside the program and read the result "
-                "with Array.torch()")
+            raise _data_dependent(name, "something made XLA execute")
         leaves, out_tree = pytree.tree_flatten(out)
         outs, statics = [], []
         for leaf in leaves:

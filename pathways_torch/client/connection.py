@@ -21,6 +21,7 @@ from ..errors import ClusterShutdownError, ProgramError, TimeoutError, WorkerLos
 from ..rpc import codec, grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
+from . import graph as graph_mod
 
 _CLOSE = object()
 _MAX_BATCH_OPS = 512
@@ -38,8 +39,9 @@ def raise_buffer_error(err, what: str) -> None:
 
 
 class ExecutorConnection:
-    def __init__(self, address: str, where: str, timeout: float) -> None:
+    def __init__(self, address: str, where: str, timeout: float, slice_id: str = "") -> None:
         self.address = address
+        self.slice_id = slice_id
         self.where = where
         self.timeout = timeout
         self.closed = False
@@ -61,9 +63,17 @@ class ExecutorConnection:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def send(self, op: pb.Op) -> int:
-        """Queue one ordered op; returns the sequence number a reader must wait past."""
+    def send(self, op: pb.Op, direct: bool = False):
+        """Queue one ordered op; returns the sequence number a reader must wait past.
+
+        Inside ``pw.graph()`` the op is recorded instead, and the returned SeqCell
+        gets its number when the graph is submitted.
+        """
         self._check()
+        if not direct:
+            g = graph_mod.current()
+            if g is not None:
+                return g.record(self, op)
         with self._seq_lock:
             self._seq += 1
             seq = self._seq
@@ -79,17 +89,18 @@ class ExecutorConnection:
         if not self.closed:
             self._q.put(buffer_id)
 
-    def put(self, tensor, spec_msg: pb.Spec) -> int:
-        """Send a CPU tensor to the slice (chunked), returning its buffer id."""
+    def put(self, tensor, spec_msg: pb.Spec):
+        """Send a CPU tensor to the slice (chunked); returns (buffer id, seq)."""
         bid = self.new_id()
         data = codec.to_bytes(tensor)
         meta = pb.TensorMeta(dtype=codec.dtype_name(tensor.dtype), shape=list(tensor.shape))
         parts = codec.chunks(data)
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
-            self.send(pb.Op(put=pb.PutOp(buffer_id=bid, meta=meta if i == 0 or last else None,
-                                         spec=spec_msg, data=bytes(part), last=last)))
-        return bid
+            seq = self.send(pb.Op(put=pb.PutOp(
+                buffer_id=bid, meta=meta if i == 0 or last else None, spec=spec_msg,
+                data=bytes(part), last=last)))
+        return bid, seq
 
     # ------------------------------------------------------------- stream plumbing
     def _requests(self) -> Iterable[pb.OpBatch]:

@@ -1,6 +1,7 @@
 """``@pw.program``: a torch function compiled once per input signature, called as futures.
 
-Calling a program traces it on first use of a signature (shapes, dtypes, pytree
+A call runs on the slice of its first ``pw.Array`` argument; Arrays from other slices
+are moved there first (``Array.to``, worker to worker). Calling a program traces it on first use of a signature (shapes, dtypes, pytree
 structure and static Python values), registers the HLO with the slice's executor once
 per (program, slice, input shardings), then only queues an ``ExecuteOp`` on the slice's
 control stream and returns ``pw.Array`` futures whose shapes, dtypes and shardings are
@@ -35,7 +36,7 @@ from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, spec_from_proto, spec_to_proto, validate_spec
 from . import runtime
-from .array import Array, put
+from .array import Array, put, wait
 from .capture import Traced, trace
 
 _STATIC_TYPES = (int, float, bool, str, type(None), complex, torch.dtype)
@@ -65,17 +66,9 @@ class Program:
 
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
-        runtime.get_state()
+        state = runtime.get_state()
         leaves, tree = pytree.tree_flatten((args, kwargs))
-        slice_ = None
-        for leaf in leaves:
-            if isinstance(leaf, Array):
-                if slice_ is None:
-                    slice_ = leaf.slice
-                elif leaf.slice is not slice_:
-                    raise PlacementError(
-                        f"program '{self.name}' got Arrays on two slices ({slice_!r} and "
-                        f"{leaf.slice!r}); all inputs of one call must live on one slice")
+        slice_ = next((leaf.slice for leaf in leaves if isinstance(leaf, Array)), None)
         if slice_ is None:
             raise PlacementError(
                 f"program '{self.name}' got no pw.Array input, so it does not know which "
@@ -108,8 +101,12 @@ class Program:
             leaf = leaves[i]
             if isinstance(leaf, torch.Tensor):
                 leaf = put(leaf, slice_, P())        # implicit put, replicated
+            elif leaf.slice is not slice_:
+                leaf = leaf.to(slice_, self._spec_on(leaf, slice_))
             runtime.check_alive(leaf.slice)
             inputs.append(leaf)
+        if state.dispatch == "sequential":
+            wait(inputs)            # the baseline: wait for predecessors, then dispatch
 
         out_specs = self._resolve_out_specs(traced, slice_)
         in_specs = tuple(a.sharding for a in inputs)
@@ -129,6 +126,17 @@ class Program:
         return pytree.tree_unflatten(flat, traced.out_tree)
 
     # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _spec_on(a: Array, slice_) -> P:
+        """The input's spec if it is valid on the program's slice, else replicated."""
+        if a.sharding is None:
+            return P()
+        try:
+            validate_spec(a.sharding, a.shape, slice_.axis_names, slice_.mesh_shape)
+            return a.sharding
+        except ShardingError:
+            return P()
+
     def _trace(self, leaves, tree, dyn_pos, avals) -> Traced:
         def build(placeholders):
             new = list(leaves)

@@ -8,6 +8,7 @@ slices and stops whatever ``pw.init()`` started.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import os
@@ -59,10 +60,11 @@ class Slice:
         self.host = reply.host
         self.devices = tuple(Device(d.island, d.host, d.index, d.kind, d.state)
                              for d in reply.devices)
+        self.data_address = reply.data_address
         self._state = state
         self._conn = ExecutorConnection(reply.executor_address,
                                         f"island {reply.island} host {reply.host}",
-                                        state.timeout)
+                                        state.timeout, reply.slice_id)
 
     @property
     def size(self) -> int:
@@ -83,7 +85,9 @@ class Slice:
         self._state.release_slice(self)
 
     def stats(self) -> pb.StatsReply:
-        """The executor's counters: buffers held, bytes, programs, executions."""
+        """The executor's counters (buffers held, bytes, programs, executions, gang
+        order), after every op sent to the slice so far has been processed."""
+        self._conn.barrier()
         return self._conn.stats()
 
     def __enter__(self) -> "Slice":
@@ -104,6 +108,7 @@ class _State:
         self.address = ""
         self.client_id = ""
         self.timeout = 600.0
+        self.dispatch = "parallel"
         self.slices: List[Slice] = []
         self._channel = None
         self.stub = None
@@ -152,6 +157,17 @@ class _State:
                 "pathways_torch is not initialized: call pw.init() first (no arguments "
                 "start a local cluster on this machine)")
         return self
+
+    def schedule(self, slice_ids: Sequence[str]):
+        """Island positions and slice sequence numbers for one gang submission."""
+        try:
+            rep = self.stub.Schedule(pb.ScheduleRequest(client_id=self.client_id,
+                                                        slice_ids=list(slice_ids)),
+                                     timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise PathwaysError(f"the gang scheduler refused the graph: {e.details()}") \
+                from None
+        return list(rep.positions), list(rep.slice_seqs)
 
     def devices(self) -> List[Device]:
         rep = self.stub.ListDevices(pb.ListDevicesRequest(), timeout=30)
@@ -209,7 +225,7 @@ def get_state() -> _State:
 
 def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: int = 1,
          devices_per_host: Optional[int] = None, timeout: float = 600.0,
-         name: str = "") -> None:
+         name: str = "", dispatch: str = "parallel") -> None:
     """Connect this process to a Pathways cluster, starting a local one if needed.
 
     With no ``address`` (and no ``PATHWAYS_ADDRESS`` in the environment, which
@@ -217,6 +233,9 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
     and ``islands * hosts_per_island`` worker processes with ``devices_per_host``
     devices each (default: ``CPU_NUM_DEVICES`` or 8), all stopped by ``pw.shutdown()``
     or at interpreter exit. ``timeout`` bounds every blocking call, in seconds.
+    ``dispatch="sequential"`` makes every call wait until its inputs exist before it is
+    dispatched (the paper's baseline in Figure 7); the default ``"parallel"`` dispatches
+    at once and lets workers wait for their inputs.
 
     Example::
 
@@ -224,9 +243,34 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
     """
     if devices_per_host is None:
         devices_per_host = int(os.environ.get("CPU_NUM_DEVICES", "8"))
+    _check_dispatch(dispatch)
     with _state.lock:
         _state.initialize(address, islands, hosts_per_island, devices_per_host, timeout,
                           name or f"pid{os.getpid()}")
+        _state.dispatch = dispatch
+
+
+def _check_dispatch(mode: str) -> None:
+    if mode not in ("parallel", "sequential"):
+        raise ValueError(f"dispatch must be 'parallel' or 'sequential', not {mode!r}")
+
+
+@contextlib.contextmanager
+def dispatch_mode(mode: str):
+    """Temporarily switch between ``"parallel"`` and ``"sequential"`` dispatch.
+
+    Example::
+
+        with pw.dispatch_mode("sequential"):
+            y = f(x)          # waits until x exists before dispatching f
+    """
+    _check_dispatch(mode)
+    state = get_state()
+    old, state.dispatch = state.dispatch, mode
+    try:
+        yield
+    finally:
+        state.dispatch = old
 
 
 def shutdown() -> None:

@@ -16,6 +16,7 @@ from ..rpc import grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
 from .resources import AllocationError, ResourceManager
+from .scheduler import GangScheduler
 
 log = logging.getLogger("pathways.coordinator")
 
@@ -23,6 +24,7 @@ log = logging.getLogger("pathways.coordinator")
 class CoordinatorService(pbg.CoordinatorServicer):
     def __init__(self) -> None:
         self.rm = ResourceManager()
+        self.scheduler = GangScheduler()
         self._workers: dict = {}           # worker_id -> Worker stub
         self._sessions: dict = {}          # client_id -> name
         self._lock = threading.Lock()
@@ -96,7 +98,8 @@ class CoordinatorService(pbg.CoordinatorServicer):
                           f"for the slice: {e.details()}")
         rec.executor_address = rep.address
         reply = pb.AllocateSliceReply(slice_id=rec.slice_id, executor_address=rep.address,
-                                      island=rec.island, host=rec.host)
+                                      island=rec.island, host=rec.host,
+                                      data_address=rep.data_address)
         h = self.rm.hosts[rec.worker_id]
         for d in rec.devices:
             reply.devices.add(island=rec.island, host=rec.host, index=d, kind=h.kind,
@@ -113,10 +116,23 @@ class CoordinatorService(pbg.CoordinatorServicer):
         self._free_slice(request.slice_id)
         return pb.Empty()
 
+    def Schedule(self, request, context):
+        """Give a gang submission its position in each touched island's total order."""
+        recs = []
+        for sid in request.slice_ids:
+            rec = self.rm.slices.get(sid)
+            if rec is None or rec.client_id != request.client_id:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"slice {sid} is not one of this client's slices")
+            recs.append(rec)
+        positions, seqs = self.scheduler.schedule(recs)
+        return pb.ScheduleReply(positions=positions, slice_seqs=seqs)
+
     def _free_slice(self, slice_id: str) -> None:
         rec = self.rm.release(slice_id)
         if rec is None:
             return
+        self.scheduler.forget(slice_id)
         stub = self._workers.get(rec.worker_id)
         if stub is None:
             return

@@ -59,6 +59,11 @@ class CoordinatorStub(object):
                 request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ReleaseSliceRequest.SerializeToString,
                 response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Schedule = channel.unary_unary(
+                '/pathways.Coordinator/Schedule',
+                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ScheduleRequest.SerializeToString,
+                response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ScheduleReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer(object):
@@ -96,6 +101,12 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Schedule(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +134,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReleaseSlice,
                     request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ReleaseSliceRequest.FromString,
                     response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.Empty.SerializeToString,
+            ),
+            'Schedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.Schedule,
+                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ScheduleRequest.FromString,
+                    response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ScheduleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +276,33 @@ class Coordinator(object):
             '/pathways.Coordinator/ReleaseSlice',
             pathways__torch_dot_rpc_dot_pathways__pb2.ReleaseSliceRequest.SerializeToString,
             pathways__torch_dot_rpc_dot_pathways__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Schedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.Coordinator/Schedule',
+            pathways__torch_dot_rpc_dot_pathways__pb2.ScheduleRequest.SerializeToString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.ScheduleReply.FromString,
             options,
             channel_credentials,
             insecure,

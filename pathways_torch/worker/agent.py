@@ -123,7 +123,8 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
             if box[0].error:
                 context.abort(grpc.StatusCode.INTERNAL,
                               f"the executor failed to start: {box[0].error}")
-            return pb.StartExecutorReply(address=box[0].address, pid=box[0].pid)
+            return pb.StartExecutorReply(address=box[0].address, pid=box[0].pid,
+                                         data_address=box[0].data_address)
 
         def ExecutorReady(self, request, context):
             with self._lock:

@@ -33,6 +33,7 @@ def run_executor(req: dict) -> None:
     from ..rpc import pathways_pb2_grpc as pbg
 
     agent = pbg.WorkerStub(grpc_util.channel(req["agent_address"]))
+    service = None
     try:
         service = ExecutorService(req)
         srv = grpc_util.server(max_workers=16)
@@ -45,8 +46,8 @@ def run_executor(req: dict) -> None:
             error=f"{type(e).__name__}: {e}"), timeout=30)
         raise
     agent.ExecutorReady(pb.ExecutorReadyRequest(
-        slice_id=req["slice_id"], address=f"{req['bind_host']}:{port}", pid=os.getpid()),
-        timeout=30)
+        slice_id=req["slice_id"], address=f"{req['bind_host']}:{port}", pid=os.getpid(),
+        data_address=service.dataplane.address), timeout=30)
     _proc.serve_until_signal(srv)
     service.stop()
 
@@ -76,6 +77,7 @@ class ExecutorService(_make_servicer_base()):
         import torch_xla.runtime as xr
         import torch_xla.distributed.spmd as xs
         from ..rpc import pathways_pb2 as pb
+        from .dataplane import DataPlane
         from .store import ObjectStore
 
         self.pb = pb
@@ -98,6 +100,11 @@ class ExecutorService(_make_servicer_base()):
         self.compiles = 0
         self._spec_strings: dict = {}
         self._puts: dict = {}           # buffer id -> (meta, spec, [chunks]) while chunked
+        self.dataplane = DataPlane(req["bind_host"])
+        self.transfer_timeout = 600.0
+        self._resolve_lock = threading.RLock()
+        self._gang_next = 1             # the slice_seq of the next scheduled gang op
+        self.gang_positions: list = []  # island positions of the gang ops run, in order
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._events: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
@@ -105,6 +112,7 @@ class ExecutorService(_make_servicer_base()):
 
     def stop(self) -> None:
         self._queue.put(None)
+        self.dataplane.close()
 
     # ------------------------------------------------------------------ helpers
     def _err(self, kind: str, message: str, program: str = ""):
@@ -156,10 +164,15 @@ class ExecutorService(_make_servicer_base()):
 
     def Dispatch(self, request_iterator, context):
         def pump():
+            index = 0
             try:
                 for batch in request_iterator:
                     for op in batch.ops:
-                        self._queue.put(("op", op, None))
+                        if op.WhichOneof("kind") != "release":
+                            index += 1
+                            self._queue.put(("op", op, index))
+                        else:
+                            self._queue.put(("op", op, 0))
             except Exception:
                 pass
             finally:
@@ -186,6 +199,7 @@ class ExecutorService(_make_servicer_base()):
                 "unknown_buffer", f"buffer {request.buffer_id} does not exist on this slice "
                 "(released, or never created)"))
             return
+        self._resolve(entry)
         if entry.error is not None:
             yield pb.FetchChunk(has_error=True, error=entry.error)
             return
@@ -216,6 +230,8 @@ class ExecutorService(_make_servicer_base()):
                 reply.errors.append(self._err("timeout", f"buffer {bid} not ready in {timeout} s"))
                 reply.failed.append(True)
                 continue
+            if entry is not None:
+                self._resolve(entry)
             if entry is None:
                 reply.errors.append(self._err("unknown_buffer", f"buffer {bid} does not exist"))
                 reply.failed.append(True)
@@ -235,7 +251,9 @@ class ExecutorService(_make_servicer_base()):
         return self.pb.StatsReply(
             num_buffers=len(self.store.entries), buffer_bytes=self.store.bytes,
             num_programs=len(self.programs), num_devices=len(self.mesh.device_ids),
-            executed=self.executed, compiles=self.compiles, pid=os.getpid())
+            executed=self.executed, compiles=self.compiles, pid=os.getpid(),
+            gang_positions=self.gang_positions, bytes_received=self.dataplane.bytes_received,
+            bytes_sent=self.dataplane.bytes_sent)
 
     # ------------------------------------------------------------------ execution thread
     def _loop(self) -> None:
@@ -243,28 +261,123 @@ class ExecutorService(_make_servicer_base()):
             item = self._queue.get()
             if item is None:
                 return
-            kind, msg, fut = item
+            kind, msg, index = item
             if kind == "compile":
+                fut = index
                 try:
                     fut.set_result(self._compile(msg))
                 except Exception as e:
                     log.debug("compile failed: %s", traceback.format_exc())
                     fut.set_exception(e)
                 continue
-            which = msg.WhichOneof("kind")
+            self._process(index, msg)
+
+    def _process(self, index: int, op) -> None:
+        which = op.WhichOneof("kind")
+        try:
+            if which == "gang":
+                g = op.gang
+                if g.slice_seq > 0:
+                    if g.slice_seq != self._gang_next:   # the client enqueues in order
+                        log.error("gang op %d arrived, expected %d", g.slice_seq,
+                                  self._gang_next)
+                    self._gang_next = g.slice_seq + 1
+                    self.gang_positions.append(g.position)
+                for inner in g.ops:
+                    self._one(inner)
+            else:
+                self._one(op)
+        except Exception:  # never let one op kill the stream
+            log.error("op %s failed: %s", which, traceback.format_exc())
+        if index:
+            self.store.advance(index)
+
+    def _one(self, op) -> None:
+        which = op.WhichOneof("kind")
+        if which == "execute":
+            self._execute(op.execute)
+        elif which == "put":
+            self._put(op.put)
+        elif which == "release":
+            self.store.release(op.release.buffer_ids)
+        elif which == "recv":
+            r = op.recv
+            self.store.put(r.buffer_id, _entry(nbytes=_nbytes(r.meta), pending=r))
+        elif which == "send":
+            self._send(op.send)
+        elif which == "barrier":
+            self._events.put(self.pb.DispatchEvent(barrier=op.barrier.token))
+
+    # ------------------------------------------------------------------ transfers
+    def _resolve(self, entry) -> None:
+        """Turn a received transfer into a device buffer (waits for its bytes)."""
+        if entry.pending is None:
+            return
+        with self._resolve_lock:
+            r = entry.pending
+            if r is None:
+                return
+            from ..rpc import codec
+            from ..sharding import spec_from_proto
+            arrival = self.dataplane.take(r.transfer_id, self.transfer_timeout)
             try:
-                if which == "execute":
-                    self._execute(msg.execute)
-                elif which == "put":
-                    self._put(msg.put)
-                elif which == "release":
-                    self.store.release(msg.release.buffer_ids)
-                    continue
-                elif which == "barrier":
-                    self._events.put(self.pb.DispatchEvent(barrier=msg.barrier.token))
-            except Exception:  # never let one op kill the stream
-                log.error("op %s failed: %s", which, traceback.format_exc())
-            self.store.advance()
+                if arrival is None:
+                    entry.error = self._err(
+                        "timeout", f"transfer {r.transfer_id} did not arrive within "
+                        f"{self.transfer_timeout:.0f} s")
+                elif arrival.error is not None:
+                    err = self.pb.BufferError()
+                    err.ParseFromString(arrival.error)
+                    entry.error = err            # the original failure, unchanged
+                else:
+                    want = _nbytes(r.meta)
+                    if arrival.nbytes != want:
+                        raise ValueError(f"transfer brought {arrival.nbytes} bytes, "
+                                         f"{r.meta.dtype}{list(r.meta.shape)} needs {want}")
+                    dtype = codec.dtype_from_name(r.meta.dtype)
+                    shape = tuple(r.meta.shape)
+                    if want == 0:
+                        cpu = self.torch.empty(shape, dtype=dtype)
+                    else:
+                        cpu = self.torch.frombuffer(arrival.payload, dtype=self.torch.uint8)
+                        cpu = cpu.view(dtype).reshape(shape)
+                    t = cpu.to(self.device)
+                    self._shard(t, spec_from_proto(r.spec))
+                    del cpu
+                    entry.tensor = t
+            except Exception as e:
+                entry.error = self._err("input", f"receiving transfer {r.transfer_id} "
+                                        f"failed: {type(e).__name__}: {e}")
+            finally:
+                if arrival is not None and hasattr(arrival.payload, "close"):
+                    arrival.payload.close()
+                entry.pending = None
+
+    def _send(self, op) -> None:
+        entry = self.store.get(op.buffer_id)
+        if entry is None:
+            err = self._err("unknown_buffer", f"buffer {op.buffer_id} to send does not exist")
+            entry = _entry(error=err)
+        self.dataplane.send_async(self._send_now, entry, op)
+
+    def _send_now(self, entry, op) -> None:
+        payload, error = None, None
+        try:
+            self._resolve(entry)
+            if entry.error is not None:
+                error = entry.error.SerializeToString()
+            else:
+                cpu = entry.tensor.cpu().contiguous()
+                payload = memoryview(cpu.reshape(-1).view(self.torch.uint8).numpy())
+        except Exception as e:
+            what = f"program '{entry.origin}'" if entry.origin else "a transfer"
+            error = self._err("program", f"{what} failed on {self.where}: {e}",
+                              entry.origin).SerializeToString()
+        try:
+            self.dataplane.send(op.dst_data_address, op.transfer_id, payload, error,
+                                op.same_host)
+        except OSError as e:
+            log.error("transfer %d to %s failed: %s", op.transfer_id, op.dst_data_address, e)
 
     def _compile(self, req):
         import torch_xla.core.xla_builder as xb
@@ -286,13 +399,21 @@ class ExecutorService(_make_servicer_base()):
             t = torch.zeros(tuple(meta.shape), dtype=codec.dtype_from_name(meta.dtype)).to(dev)
             self._shard(t, spec_from_proto(spec))
             placeholders.append(t)
-        outs = self._run(prog, placeholders)
-        if out_specs is not None:
-            # Output shardings are given: compile only.
-            self.torch_xla._XLAC._xla_warm_up_cache(outs, [])
-        else:
-            # Run once on zeros to learn the shardings XLA's propagation chose.
-            self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+        for attempt in range(2):
+            outs = self._run(prog, placeholders)
+            try:
+                if out_specs is not None:
+                    # Output shardings are given: compile only.
+                    self.torch_xla._XLAC._xla_warm_up_cache(outs, [])
+                else:
+                    # Run once on zeros to learn the shardings XLA's propagation chose.
+                    self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+                break
+            except RuntimeError:
+                # A wait reports the failure of an *earlier* asynchronous execution on
+                # these devices (that failure is its own program's, reported with it).
+                if attempt:
+                    raise
         reply = self.pb.CompileReply()
         for o in outs:
             spec, hlo = self._spec_of(o)
@@ -328,6 +449,7 @@ class ExecutorService(_make_servicer_base()):
                                 f"input buffer {b} of program '{prog.name}' does not exist "
                                 "(released or never created)", prog.name)
                 break
+            self._resolve(e)
             if e.error is not None:
                 err = e.error   # the original failure travels downstream unchanged
                 break
@@ -340,7 +462,10 @@ class ExecutorService(_make_servicer_base()):
                 if len(outs) != len(op.outputs):
                     raise RuntimeError(f"program returned {len(outs)} outputs, "
                                        f"{len(op.outputs)} were declared")
-                self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=False)
+                # Run to completion here: a failure then belongs to this program, and no
+                # consumer ever sees a buffer whose asynchronous execution failed (feeding
+                # one to another execution aborts the process in torch_xla 2.9).
+                self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
             except Exception as e:
                 err = self._err("program", f"program '{prog.name}' failed on {self.where}: "
                                 f"{type(e).__name__}: {e}", prog.name)
@@ -379,6 +504,11 @@ class ExecutorService(_make_servicer_base()):
         self.store.put(op.buffer_id, entry)
 
 
-def _entry(tensor=None, error=None, nbytes: int = 0, origin: str = ""):
+def _entry(tensor=None, error=None, nbytes: int = 0, origin: str = "", pending=None):
     from .store import Entry
-    return Entry(tensor, error, nbytes, origin)
+    return Entry(tensor, error, nbytes, origin, pending)
+
+
+def _nbytes(meta) -> int:
+    from ..rpc import codec
+    return codec.nbytes(codec.dtype_from_name(meta.dtype), tuple(meta.shape))

@@ -7,13 +7,15 @@ from typing import Dict, Optional
 
 
 class Entry:
-    __slots__ = ("tensor", "error", "nbytes", "origin")
+    __slots__ = ("tensor", "error", "nbytes", "origin", "pending")
 
-    def __init__(self, tensor=None, error=None, nbytes: int = 0, origin: str = "") -> None:
+    def __init__(self, tensor=None, error=None, nbytes: int = 0, origin: str = "",
+                 pending=None) -> None:
         self.tensor = tensor      # a torch_xla tensor (possibly still being computed)
         self.error = error        # a pb.BufferError when the buffer could not be produced
         self.nbytes = nbytes
         self.origin = origin      # the program that produced it ("" for a put)
+        self.pending = pending    # a RecvOp whose bytes have not been taken in yet
 
 
 class ObjectStore:
@@ -26,7 +28,8 @@ class ObjectStore:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.entries: Dict[int, Entry] = {}
-        self.processed = 0          # ordered (non-release) ops processed
+        self.processed = 0          # ordered (non-release) ops processed, in stream order
+        self._done_out_of_order: set = set()
         self.bytes = 0
 
     def put(self, buffer_id: int, entry: Entry) -> None:
@@ -47,10 +50,17 @@ class ObjectStore:
                 if e is not None:
                     self.bytes -= e.nbytes
 
-    def advance(self, n: int = 1) -> None:
+    def advance(self, index: int) -> None:
+        """Mark stream op ``index`` (1-based) processed; ``processed`` counts the prefix."""
         with self.cond:
-            self.processed += n
-            self.cond.notify_all()
+            if index == self.processed + 1:
+                self.processed = index
+                while self.processed + 1 in self._done_out_of_order:
+                    self.processed += 1
+                    self._done_out_of_order.discard(self.processed)
+                self.cond.notify_all()
+            elif index > self.processed:
+                self._done_out_of_order.add(index)
 
     def wait_for(self, buffer_id: int, after_seq: int, timeout: float) -> Optional[Entry]:
         """Wait until the buffer exists or the op sequence passed ``after_seq``.

@@ -1,0 +1,106 @@
+"""Recorded dataflow graphs: many program calls and transfers, submitted as one unit.
+
+Inside ``with pw.graph():`` calls and transfers return Arrays as usual, but their ops
+are held back; leaving the block submits them: the coordinator's gang scheduler gives
+the submission one position in the order of every island it touches, and each slice's
+executor receives all of its ops in one message (one ``GangOp``), in that order. This
+is the paper's ``@pw.program`` over several compiled functions; pipelines use it.
+
+Example::
+
+    with pw.graph():
+        h = stage0(x)
+        h = stage1(h.to(s1))
+        y = stage2(h.to(s2))
+    y.torch()
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional
+
+from ..errors import PathwaysError
+from ..rpc import pathways_pb2 as pb
+
+_local = threading.local()
+_submit_lock = threading.Lock()
+
+
+class SeqCell:
+    """The stream position of ops recorded in a graph, known once it is submitted."""
+
+    __slots__ = ("value", "lock", "deferred")
+
+    def __init__(self) -> None:
+        self.value: Optional[int] = None
+        self.lock = threading.RLock()
+        self.deferred: List = []            # (conn, buffer id) released before submission
+
+    def __int__(self) -> int:
+        if self.value is None:
+            raise PathwaysError(
+                "this Array comes from a pw.graph() that has not been submitted yet: "
+                "leave the `with pw.graph():` block before reading it")
+        return self.value
+
+
+def seq_of(seq) -> int:
+    return seq if isinstance(seq, int) else int(seq)
+
+
+def current() -> Optional["Graph"]:
+    return getattr(_local, "graph", None)
+
+
+class Graph:
+    """Ops recorded per executor connection, submitted together. Use ``pw.graph()``."""
+
+    def __init__(self) -> None:
+        self._ops: Dict[object, List[pb.Op]] = {}
+        self._cells: Dict[object, SeqCell] = {}
+        self._slices: Dict[object, object] = {}
+        self.positions: Dict[str, int] = {}
+        self.submitted = False
+
+    def record(self, conn, op: pb.Op) -> SeqCell:
+        self._ops.setdefault(conn, []).append(op)
+        return self._cells.setdefault(conn, SeqCell())
+
+    def submit(self) -> None:
+        from . import runtime
+        if self.submitted:
+            return
+        self.submitted = True
+        if not self._ops:
+            return
+        state = runtime.get_state()
+        conns = list(self._ops)
+        slice_ids = [c.slice_id for c in conns]
+        with _submit_lock:
+            positions, seqs = state.schedule(slice_ids)
+            for conn, pos, seq in zip(conns, positions, seqs):
+                cell = self._cells[conn]
+                gang = pb.GangOp(position=pos, slice_seq=seq, ops=self._ops[conn])
+                with cell.lock:
+                    cell.value = conn.send(pb.Op(gang=gang), direct=True)
+                    deferred, cell.deferred = cell.deferred, []
+                for c, bid in deferred:
+                    c.release(bid)
+                self.positions[conn.slice_id] = pos
+
+    def __enter__(self) -> "Graph":
+        if current() is not None:
+            raise PathwaysError("pw.graph() blocks do not nest")
+        _local.graph = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _local.graph = None
+        if exc_type is None:
+            self.submit()
+
+
+def graph() -> Graph:
+    """Record the program calls and transfers of a block and submit them as one graph."""
+    return Graph()

@@ -1,0 +1,194 @@
+"""The bulk-data path between executors (the DCN): raw TCP sockets, negotiated over gRPC.
+
+The control plane (gRPC) only carries ``SendOp``/``RecvOp`` with a transfer id and the
+destination's data address. The bytes then go executor to executor on a plain socket:
+the sender writes straight from the tensor's CPU memory, the receiver reads straight
+into a preallocated buffer of the announced size (no protobuf, no per-chunk copies),
+and TCP does the flow control. Between executors of one host the bytes go through a
+file in /dev/shm and only the header crosses the socket.
+
+Frame: ``MAGIC, transfer_id, flags, nbytes, aux_len`` (little-endian), then ``aux``
+(an error's BufferError bytes, or the shm path), then ``nbytes`` of payload unless
+the frame is an error or shm frame.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Optional, Tuple
+
+MAGIC = b"PWXFER01"
+HEADER = struct.Struct("<8sQQQI")
+FLAG_ERROR, FLAG_SHM = 1, 2
+MAX_BYTES = 1 << 40
+MAX_AUX = 1 << 20
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+class Arrival:
+    """What arrived for one transfer: payload bytes (or an mmap), or an error."""
+
+    __slots__ = ("payload", "error", "nbytes", "seconds")
+
+    def __init__(self, payload=None, error: Optional[bytes] = None, nbytes: int = 0,
+                 seconds: float = 0.0) -> None:
+        self.payload = payload
+        self.error = error
+        self.nbytes = nbytes
+        self.seconds = seconds      # first header byte to last payload byte
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, 8 << 20))
+        if k == 0:
+            raise ConnectionError("peer closed mid-frame")
+        got += k
+
+
+class DataPlane:
+    """Listens for incoming transfers and sends outgoing ones (a small thread pool)."""
+
+    def __init__(self, bind_host: str) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((bind_host, 0))
+        self._sock.listen(64)
+        self.address = f"{bind_host}:{self._sock.getsockname()[1]}"
+        self._cond = threading.Condition()
+        self._arrived: Dict[int, Arrival] = {}
+        self._conns: Dict[str, Tuple[socket.socket, threading.Lock]] = {}
+        self._conns_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pw-send")
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self._closed = False
+        threading.Thread(target=self._accept, name="pw-data-accept", daemon=True).start()
+
+    # ------------------------------------------------------------------ receive
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name="pw-data-recv",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        head = bytearray(HEADER.size)
+        try:
+            while True:
+                try:
+                    _recv_exact(conn, memoryview(head))
+                except ConnectionError:
+                    return
+                t0 = time.perf_counter()
+                magic, tid, flags, nbytes, aux_len = HEADER.unpack(head)
+                if magic != MAGIC or nbytes > MAX_BYTES or aux_len > MAX_AUX:
+                    return                      # not our protocol: drop the connection
+                aux = bytearray(aux_len)
+                _recv_exact(conn, memoryview(aux))
+                if flags & FLAG_ERROR:
+                    arrival = Arrival(error=bytes(aux))
+                elif flags & FLAG_SHM:
+                    arrival = Arrival(payload=self._open_shm(aux.decode(), nbytes),
+                                      nbytes=nbytes)
+                else:
+                    payload = bytearray(nbytes)
+                    _recv_exact(conn, memoryview(payload))
+                    arrival = Arrival(payload=payload, nbytes=nbytes)
+                arrival.seconds = time.perf_counter() - t0
+                with self._cond:
+                    self.bytes_received += nbytes
+                    self._arrived[tid] = arrival
+                    self._cond.notify_all()
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _open_shm(path: str, nbytes: int):
+        if SHM_DIR is None or os.path.dirname(path) != SHM_DIR:
+            raise OSError(f"bad shm path {path!r}")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.unlink(path)
+            if nbytes == 0:
+                return bytearray()
+            return mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def take(self, transfer_id: int, timeout: float) -> Optional[Arrival]:
+        """Wait for a transfer's arrival and hand it over (None past the timeout)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: transfer_id in self._arrived, timeout):
+                return None
+            return self._arrived.pop(transfer_id)
+
+    def discard(self, transfer_id: int) -> None:
+        with self._cond:
+            self._arrived.pop(transfer_id, None)
+
+    # ------------------------------------------------------------------ send
+    def send_async(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the sender pool (it waits for its producer there)."""
+        self._pool.submit(fn, *args)
+
+    def _conn(self, address: str) -> Tuple[socket.socket, threading.Lock]:
+        with self._conns_lock:
+            c = self._conns.get(address)
+            if c is None:
+                host, port = address.rsplit(":", 1)
+                s = socket.create_connection((host, int(port)), timeout=30)
+                s.settimeout(None)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                c = self._conns[address] = (s, threading.Lock())
+            return c
+
+    def send(self, address: str, transfer_id: int, payload: Optional[memoryview],
+             error: Optional[bytes] = None, same_host: bool = False) -> None:
+        """Send one frame; ``payload`` is the raw bytes (None with ``error``)."""
+        if error is not None:
+            frames = [HEADER.pack(MAGIC, transfer_id, FLAG_ERROR, 0, len(error)), error]
+            nbytes = 0
+        elif same_host and SHM_DIR is not None:
+            nbytes = len(payload)
+            path = os.path.join(SHM_DIR, f"pw-{os.getpid()}-{transfer_id}")
+            with open(path, "wb") as f:
+                f.write(payload)
+            aux = path.encode()
+            frames = [HEADER.pack(MAGIC, transfer_id, FLAG_SHM, nbytes, len(aux)), aux]
+        else:
+            nbytes = len(payload)
+            frames = [HEADER.pack(MAGIC, transfer_id, 0, nbytes, 0), payload]
+        sock, lock = self._conn(address)
+        try:
+            with lock:
+                for fr in frames:
+                    sock.sendall(fr)
+        except OSError:
+            with self._conns_lock:
+                self._conns.pop(address, None)
+            sock.close()
+            raise
+        self.bytes_sent += nbytes
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._conns_lock:
+            for s, _ in self._conns.values():
+                s.close()
+            self._conns.clear()

@@ -1,0 +1,260 @@
+"""Sharded dataflow across hosts and islands (real processes): transfers, resharding,
+gang order, parallel vs sequential dispatch, recorded graphs, error propagation.
+
+One cluster for the module: 2 islands x 2 hosts x 4 CPU devices = 4 worker processes.
+Transfers copy bytes exactly, so results equal plain torch up to the programs' own
+float32 rounding (rtol 1e-5).
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch import P
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    pw.init(islands=2, hosts_per_island=2, devices_per_host=4, timeout=120)
+    try:
+        yield
+    finally:
+        pw.shutdown()
+
+
+@pytest.fixture()
+def slices(cluster):
+    made = []
+
+    def make(*args, **kw):
+        s = pw.slice(*args, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.release()
+
+
+@pw.program
+def affine(x):
+    return x * 2 + 1
+
+
+@pw.program
+def colsum(x):
+    return x.sum(0)
+
+
+def test_devices_report_islands_and_hosts(cluster):
+    devs = pw.devices()
+    assert sorted({(d.island, d.host) for d in devs}) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(d.index for d in devs if (d.island, d.host) == (1, 1)) == [0, 1, 2, 3]
+
+
+def test_resource_manager_balances_and_honours_islands(slices):
+    placed = [slices((2,)) for _ in range(4)]
+    assert sorted((s.island, s.host) for s in placed) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for s in placed:
+        s.release()
+    assert slices((1,), island=1).island == 1
+
+
+def test_cross_host_and_cross_island_chain(slices):
+    a = slices((2,), island=0)
+    b = slices((2,), island=0)
+    c = slices((2,), island=1)
+    assert a.host != b.host and c.island == 1
+    torch.manual_seed(0)
+    x = torch.randn(8, 6)
+    w = torch.randn(6, 6) / 3
+
+    @pw.program
+    def layer(h, w):
+        return torch.tanh(h @ w)
+
+    h = pw.put(x, a, P("data"))
+    want = x
+    for hop, s in enumerate([b, c, a, c, b] * 2):
+        h = layer(h.to(s, P("data")), pw.put(w, s))
+        want = torch.tanh(want @ w)
+        assert h.slice is s
+    torch.testing.assert_close(h.torch(), want, rtol=1e-5, atol=1e-6)
+    assert c.stats().bytes_received > 0 and a.stats().bytes_sent > 0
+
+
+@pytest.mark.parametrize("src_spec,dst_shape,dst_spec", [
+    (P("data"), (4,), P()),                      # sharded on 2 -> replicated on 4
+    (P(), (4,), P("data")),                      # replicated -> sharded on 4
+    (P("data"), (2, 2), P("model", "data")),     # other axes, other dims
+    (P(None, "data"), (1,), P()),                # onto a single device
+    (P(("data",)), (2, 2), P(("data", "model"))),
+])
+def test_resharding_between_slices(slices, src_spec, dst_shape, dst_spec):
+    a = slices((2,), island=0)
+    axes = ("data",) if len(dst_shape) == 1 else ("data", "model")
+    b = slices(dst_shape, axis_names=axes, island=1)
+    x = torch.arange(64.).reshape(8, 8)
+    y = pw.put(x, a, src_spec).to(b, dst_spec)
+    assert y.sharding == dst_spec and y.slice is b
+    assert torch.equal(y.torch(), x)
+    assert torch.equal(affine(y).torch(), x * 2 + 1)      # usable by a program there
+
+
+def test_same_host_moves_skip_the_network(slices):
+    s1, s2, s3 = slices((1,), island=0), slices((1,), island=0), slices((1,), island=0)
+    src, dst = (s1, s3) if (s1.host == s3.host) else (s1, s2)
+    assert (src.island, src.host) == (dst.island, dst.host)
+    x = torch.randn(1000, 100)
+    y = affine(pw.put(x, src)).to(dst)
+    torch.testing.assert_close(y.torch(), x * 2 + 1)
+
+
+def test_program_inputs_from_other_slices_move_to_its_slice(slices):
+    a, b = slices((2,), island=0), slices((2,), island=1)
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+
+    @pw.program
+    def mm(x, w):
+        return x @ w
+
+    y = mm(pw.put(x, b, P("data")), pw.put(w, a))         # runs on b, w moves a -> b
+    assert y.slice is b
+    torch.testing.assert_close(y.torch(), x @ w, rtol=1e-5, atol=1e-6)
+
+
+def test_errors_flow_along_the_dataflow_through_three_hops(slices):
+    a, b, c, d = (slices((1,), island=i % 2) for i in range(4))
+
+    @pw.program(out_specs=P())
+    def explode(x):
+        # 1 TiB cannot be allocated: the execution fails, and so do both its outputs
+        return torch.ones(2 ** 38, device=x.device) * x.sum(), x * 3
+
+    @pw.program
+    def head(x):
+        return x[:4] + 1
+
+    huge, bad = explode(pw.put(torch.ones(8), a))
+    y = head(head(head(bad).to(b)).to(c)).to(d)                # three hops after a
+    for arr in (y, head(y)):
+        with pytest.raises(pw.ProgramError, match="explode") as info:
+            arr.torch()
+        assert info.value.program == "explode"
+    with pytest.raises(pw.ProgramError, match="explode"):
+        pw.wait([y])
+    # the cluster stays usable, on the same slices
+    torch.testing.assert_close(head(pw.put(torch.ones(6), a).to(d)).torch(), torch.full((4,), 2.0))
+
+
+def test_sequential_dispatch_gives_the_same_results(slices):
+    a, b = slices((2,), island=0), slices((2,), island=1)
+    x = torch.randn(6, 4)
+    with pw.dispatch_mode("sequential"):
+        y = affine(affine(pw.put(x, a)).to(b))
+    torch.testing.assert_close(y.torch(), (x * 2 + 1) * 2 + 1)
+    with pytest.raises(ValueError):
+        pw.dispatch_mode("eager").__enter__()
+
+
+def test_parallel_dispatch_returns_before_the_first_program_completes(slices):
+    a, b = slices((1,), island=0), slices((1,), island=1)
+    torch.manual_seed(1)
+    w = torch.randn(768, 768) / 28
+
+    @pw.program
+    def heavy(h, w):
+        return torch.tanh(h @ w @ w)
+
+    wa, wb = pw.put(w, a), pw.put(w, b)
+    h0 = pw.put(torch.randn(768, 768), a)
+    heavy(h0, wa).wait(), heavy(h0.to(b), wb).wait()        # trace + compile both
+    t1s = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        heavy(h0, wa).wait()
+        t1s.append(time.perf_counter() - t0)
+    one = sorted(t1s)[1]
+    assert one >= 0.005, f"the program takes {one * 1e3:.1f} ms; it must take >= 5 ms"
+    t0 = time.perf_counter()
+    h = h0
+    for k in range(100):
+        h = heavy(h, wa) if k % 2 == 0 else heavy(h.to(b), wb).to(a)
+    dispatched = time.perf_counter() - t0
+    assert dispatched < one, (f"dispatching 100 programs took {dispatched * 1e3:.1f} ms, "
+                              f"one program alone {one * 1e3:.1f} ms")
+    h.wait()
+    assert torch.isfinite(h.torch()).all()
+
+
+def test_gang_order_is_the_same_on_every_host_of_an_island(slices):
+    s0, s1 = slices((2,), island=0), slices((2,), island=0)
+    assert s0.host != s1.host
+    x0, x1 = pw.put(torch.ones(4), s0), pw.put(torch.ones(4), s1)
+    before0, before1 = len(s0.stats().gang_positions), len(s1.stats().gang_positions)
+    errors = []
+
+    def client_thread():
+        try:
+            for _ in range(100):
+                with pw.graph():                 # one program spanning both hosts
+                    affine(x0)
+                    affine(x1)
+        except Exception as e:                   # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client_thread) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    pw.wait([affine(x0), affine(x1)])
+    order0 = s0.stats().gang_positions[before0:]
+    order1 = s1.stats().gang_positions[before1:]
+    assert len(order0) == 200 and order0 == order1
+    assert order0 == sorted(order0)
+
+
+def test_recorded_graph_is_one_unit_per_worker(slices):
+    a, b, c = slices((2,), island=0), slices((2,), island=1), slices((2,), island=0)
+    x = torch.randn(8, 4)
+    gangs = [len(s.stats().gang_positions) for s in (a, b, c)]
+    with pw.graph() as g:
+        h = pw.put(x, a, P("data"))
+        for _ in range(10):
+            h = affine(h)
+        h = colsum(h.to(b))
+        for _ in range(10):
+            h = affine(h)
+        out = affine(h.to(c))
+        with pytest.raises(pw.PathwaysError, match="not been submitted"):
+            out.torch()
+    want = x
+    for _ in range(10):
+        want = want * 2 + 1
+    want = want.sum(0)
+    for _ in range(11):
+        want = want * 2 + 1
+    torch.testing.assert_close(out.torch(), want, rtol=1e-5, atol=1e-3)
+    assert [len(s.stats().gang_positions) for s in (a, b, c)] == [n + 1 for n in gangs]
+    assert set(g.positions) == {a.id, b.id, c.id}
+    with pytest.raises(pw.PathwaysError, match="nest"):
+        with pw.graph():
+            with pw.graph():
+                pass
+
+
+def test_arrays_dropped_inside_a_graph_are_released_after_it(slices):
+    a = slices((1,), island=1)
+    start = a.stats().num_buffers
+    with pw.graph():
+        for _ in range(20):
+            affine(pw.put(torch.ones(3), a))     # dropped before the graph is submitted
+    deadline = time.monotonic() + 10
+    while a.stats().num_buffers != start and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.stats().num_buffers == start
