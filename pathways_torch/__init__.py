@@ -31,7 +31,8 @@ from .client.runtime import (Device, Slice, devices, dispatch_mode, init, is_ini
                              shutdown, slice)
 from .errors import (ClusterShutdownError, DataDependentError, NotInitializedError,
                      PathwaysError, PlacementError, ProgramError, ResourceExhaustedError,
-                     ShapeError, ShardingError, TimeoutError, TraceError, WorkerLostError)
+                     OutOfMemoryError, ShapeError, ShardingError, TimeoutError, TraceError,
+                     WorkerLostError)
 from .sharding import P
 
 __version__ = "0.1.0"
@@ -41,5 +42,5 @@ __all__ = [
     "graph", "dispatch_mode", "P", "Array", "Slice", "Device", "Program", "Graph",
     "PathwaysError", "NotInitializedError", "ClusterShutdownError", "ResourceExhaustedError",
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",
-    "ProgramError", "WorkerLostError", "TimeoutError",
+    "ProgramError", "WorkerLostError", "TimeoutError", "OutOfMemoryError",
 ]

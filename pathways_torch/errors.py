@@ -29,6 +29,7 @@ __all__ = [
     "ProgramError",
     "WorkerLostError",
     "TimeoutError",
+    "OutOfMemoryError",
 ]
 
 
@@ -83,3 +84,7 @@ class WorkerLostError(PathwaysError, RuntimeError):
 
 class TimeoutError(PathwaysError, builtins.TimeoutError):
     """A blocking call passed its deadline (``pw.init(timeout=...)`` or ``timeout=``)."""
+
+
+class OutOfMemoryError(ProgramError, MemoryError):
+    """A program's outputs (or a put) do not fit in a worker's buffer budget."""

@@ -110,9 +110,17 @@ def test_failure_on_the_worker_names_the_program(s):
 
     y = huge(pw.put(torch.ones(4), s))      # dispatch returns: the failure is remote
     assert y.shape == (2 ** 38,)
-    with pytest.raises(pw.ProgramError, match="huge") as info:
+    with pytest.raises(pw.OutOfMemoryError, match="huge.*1024.00 GiB.*budget") as info:
         y.torch()
+    assert isinstance(info.value, pw.ProgramError)
     assert info.value.program == "huge" and "host 0" in info.value.host
+
+    @pw.program
+    def huge_no_specs(x):
+        return torch.ones(2 ** 38, device=x.device) * x.sum()
+
+    with pytest.raises(pw.OutOfMemoryError, match="huge_no_specs"):
+        huge_no_specs(pw.put(torch.ones(4), s))     # learning its shardings would not fit
     still_works(s)
 
 

@@ -17,7 +17,8 @@ from typing import Iterable, List, Optional
 
 import grpc
 
-from ..errors import ClusterShutdownError, ProgramError, TimeoutError, WorkerLostError
+from ..errors import (ClusterShutdownError, OutOfMemoryError, ProgramError, TimeoutError,
+                      WorkerLostError)
 from ..rpc import codec, grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
@@ -35,6 +36,9 @@ def raise_buffer_error(err, what: str) -> None:
     if err.kind == "lost":
         raise WorkerLostError(f"{what}: {err.message}")
     prog = f" (program '{err.program}' on {err.host})" if err.program else ""
+    if err.kind == "oom":
+        raise OutOfMemoryError(f"{what}{prog}: {err.message}", program=err.program,
+                               host=err.host)
     raise ProgramError(f"{what}{prog}: {err.message}", program=err.program, host=err.host)
 
 
@@ -218,6 +222,8 @@ class ExecutorConnection:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ProgramError(e.details(), program=name, host=self.where) from None
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise OutOfMemoryError(e.details(), program=name, host=self.where) from None
             raise self._rpc_error(e, f"compiling program '{name}'") from None
 
     def stats(self) -> pb.StatsReply:
