@@ -19,8 +19,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-bench: $(STAMP)
-	$(PY) bench/dispatch.py
+BENCH_STAMP := $(VENV)/.pathways-bench-installed
+
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
+	$(PY) -m pip install -q -r requirements-bench.txt
+	touch $(BENCH_STAMP)
+
+# Every benchmark, each against its baseline in the same run; writes bench/results.json.
+bench: $(BENCH_STAMP)
+	$(PY) bench/run_all.py
 
 # Regenerate the committed gRPC stubs from proto/pathways.proto.
 proto: $(STAMP)

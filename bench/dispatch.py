@@ -16,31 +16,15 @@ Prints one JSON object: µs per step (median of the runs) for each, and their ra
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import time
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")
+from common import emit, in_process_chain_us, median
 
 import torch  # noqa: E402
 
 import pathways_torch as pw  # noqa: E402
 
-
-def in_process(steps: int) -> float:
-    import torch_xla
-    dev = torch_xla.device()
-    y = torch.zeros(8, 8, device=dev)
-    torch_xla.sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        y = y + 1
-        torch_xla.sync()
-    y.cpu()
-    dt = time.perf_counter() - t0
-    assert float(y[0, 0]) == steps
-    return dt / steps * 1e6
+in_process = in_process_chain_us
 
 
 def through_pathways(s, steps: int) -> float:
@@ -74,8 +58,8 @@ def main() -> None:
             b.append(through_pathways(s, args.steps))
     finally:
         pw.shutdown()
-    ia, pb_ = statistics.median(a), statistics.median(b)
-    print(json.dumps({
+    ia, pb_ = median(a), median(b)
+    emit({
         "benchmark": "dispatch_chain",
         "steps": args.steps, "runs": args.runs,
         "in_process_us_per_step": round(ia, 1),
@@ -83,7 +67,7 @@ def main() -> None:
         "ratio_pathways_over_in_process": round(pb_ / ia, 3),
         "in_process_runs_us": [round(x, 1) for x in a],
         "pathways_runs_us": [round(x, 1) for x in b],
-    }))
+    })
 
 
 if __name__ == "__main__":

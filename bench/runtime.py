@@ -14,22 +14,16 @@ Prints one JSON object (medians of --runs).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
-import statistics
 import subprocess
 import sys
-import threading
 import time
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")
+from common import MIB, emit, median, tcp_gbps
 
 import torch  # noqa: E402
 
 import pathways_torch as pw  # noqa: E402
-
-MIB = 1 << 20
 
 
 def cold_process_s() -> float:
@@ -39,37 +33,6 @@ def cold_process_s() -> float:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, CPU_NUM_DEVICES="2"), check=True)
     return float(out.stdout.strip().splitlines()[-1])
-
-
-def tcp_gbps(nbytes: int) -> float:
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    payload = bytearray(nbytes)
-
-    def sink():
-        conn, _ = srv.accept()
-        buf = bytearray(4 * MIB)
-        view, got = memoryview(buf), 0
-        while got < nbytes:
-            n = conn.recv_into(view)
-            if n == 0:
-                break
-            got += n
-        conn.sendall(b"k")
-        conn.close()
-
-    t = threading.Thread(target=sink)
-    t.start()
-    c = socket.create_connection(srv.getsockname())
-    t0 = time.perf_counter()
-    c.sendall(payload)
-    c.recv(1)
-    dt = time.perf_counter() - t0
-    c.close()
-    t.join()
-    srv.close()
-    return nbytes / dt / 1e9
 
 
 def main() -> None:
@@ -102,15 +65,15 @@ def main() -> None:
             cold.append(cold_process_s())
     finally:
         pw.shutdown()
-    med = statistics.median
-    print(json.dumps({
+    med = median
+    emit({
         "benchmark": "runtime_costs", "runs": args.runs, "payload_mib": args.mib,
         "slice_alloc_ms": round(med(alloc), 1), "cold_process_s": round(med(cold), 2),
         "put_gbps": round(med(puts), 3), "fetch_gbps": round(med(fetches), 3),
         "tcp_gbps": round(med(tcp), 3),
         "put_over_tcp": round(med(puts) / med(tcp), 3),
         "fetch_over_tcp": round(med(fetches) / med(tcp), 3),
-    }))
+    })
 
 
 if __name__ == "__main__":

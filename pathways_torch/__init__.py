@@ -24,18 +24,27 @@ Example::
     pw.shutdown()
 """
 
-from .client.array import Array, put, wait
-from .client.program import Program, program
-from .client.graph import Graph, graph
-from .client.runtime import (Device, Slice, devices, dispatch_mode, init, is_initialized,
-                             shutdown, slice)
+import importlib as _importlib
+
 from .errors import (ClusterShutdownError, DataDependentError, NotInitializedError,
-                     PathwaysError, PlacementError, ProgramError, ResourceExhaustedError,
-                     OutOfMemoryError, ShapeError, ShardingError, TimeoutError, TraceError,
-                     WorkerLostError)
+                     OutOfMemoryError, PathwaysError, PlacementError, ProgramError,
+                     ResourceExhaustedError, ShapeError, ShardingError, TimeoutError,
+                     TraceError, WorkerLostError)
 from .sharding import P
 
 __version__ = "0.1.0"
+
+# The client API imports torch and torch_xla; the coordinator and worker processes
+# import this package too and must not pay for that, so those names load on first use.
+_LAZY = {
+    "Array": "client.array", "put": "client.array", "wait": "client.array",
+    "Program": "client.program", "program": "client.program",
+    "Graph": "client.graph", "graph": "client.graph",
+    "Device": "client.runtime", "Slice": "client.runtime", "devices": "client.runtime",
+    "dispatch_mode": "client.runtime", "init": "client.runtime",
+    "is_initialized": "client.runtime", "shutdown": "client.runtime",
+    "slice": "client.runtime",
+}
 
 __all__ = [
     "init", "shutdown", "is_initialized", "devices", "slice", "put", "wait", "program",
@@ -44,3 +53,16 @@ __all__ = [
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",
     "ProgramError", "WorkerLostError", "TimeoutError", "OutOfMemoryError",
 ]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pathways_torch' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

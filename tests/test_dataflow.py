@@ -263,3 +263,16 @@ def test_arrays_dropped_inside_a_graph_are_released_after_it(slices):
     while a.stats().num_buffers != start and time.monotonic() < deadline:
         time.sleep(0.05)
     assert a.stats().num_buffers == start
+
+
+def test_graphs_that_feed_each_other(slices):
+    a = slices((2,), island=0)
+    y = pw.put(torch.zeros(4), a)
+    for _ in range(5):                   # each graph reads the previous one's output and
+        with pw.graph():                 # drops it while the graph is still recorded
+            for _ in range(8):
+                y = affine(y)
+    want = torch.zeros(4)
+    for _ in range(40):
+        want = want * 2 + 1
+    torch.testing.assert_close(y.torch(), want)

@@ -24,6 +24,7 @@ from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, spec_to_proto, validate_spec
 from . import runtime
+from . import graph as graph_mod
 from .graph import SeqCell, seq_of
 
 
@@ -47,6 +48,8 @@ class Array:
         self._seq = seq
         self._conn = slice_._conn
         self._origin = origin
+        if isinstance(seq, SeqCell):
+            graph_mod.current().keep(self)
 
     @property
     def ndim(self) -> int:
@@ -107,12 +110,6 @@ class Array:
 
     def __del__(self) -> None:
         try:
-            seq = self._seq
-            if isinstance(seq, SeqCell):
-                with seq.lock:
-                    if seq.value is None:       # its graph is not submitted yet
-                        seq.deferred.append((self._conn, self._id))
-                        return
             self._conn.release(self._id)
         except AttributeError:
             pass
@@ -157,6 +154,9 @@ def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
     validate_spec(spec, a.shape, dst.axis_names, dst.mesh_shape, "Array.to")
     if state.dispatch == "sequential":
         wait([a])
+    g = graph_mod.current()
+    if g is not None:
+        g.keep(a)
     msg = pb.Spec()
     spec_to_proto(spec, msg)
     tid = random.getrandbits(63) | 1

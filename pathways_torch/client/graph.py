@@ -30,12 +30,10 @@ _submit_lock = threading.Lock()
 class SeqCell:
     """The stream position of ops recorded in a graph, known once it is submitted."""
 
-    __slots__ = ("value", "lock", "deferred")
+    __slots__ = ("value",)
 
     def __init__(self) -> None:
         self.value: Optional[int] = None
-        self.lock = threading.RLock()
-        self.deferred: List = []            # (conn, buffer id) released before submission
 
     def __int__(self) -> int:
         if self.value is None:
@@ -62,6 +60,12 @@ class Graph:
         self._slices: Dict[object, object] = {}
         self.positions: Dict[str, int] = {}
         self.submitted = False
+        # Every Array the recorded ops create or read stays alive until submission, so
+        # that no release can overtake the ops (which are held back until then).
+        self._keep: List[object] = []
+
+    def keep(self, *arrays) -> None:
+        self._keep.extend(arrays)
 
     def record(self, conn, op: pb.Op) -> SeqCell:
         self._ops.setdefault(conn, []).append(op)
@@ -73,6 +77,7 @@ class Graph:
             return
         self.submitted = True
         if not self._ops:
+            self._keep.clear()
             return
         state = runtime.get_state()
         conns = list(self._ops)
@@ -80,14 +85,10 @@ class Graph:
         with _submit_lock:
             positions, seqs = state.schedule(slice_ids)
             for conn, pos, seq in zip(conns, positions, seqs):
-                cell = self._cells[conn]
                 gang = pb.GangOp(position=pos, slice_seq=seq, ops=self._ops[conn])
-                with cell.lock:
-                    cell.value = conn.send(pb.Op(gang=gang), direct=True)
-                    deferred, cell.deferred = cell.deferred, []
-                for c, bid in deferred:
-                    c.release(bid)
+                self._cells[conn].value = conn.send(pb.Op(gang=gang), direct=True)
                 self.positions[conn.slice_id] = pos
+        self._keep.clear()
 
     def __enter__(self) -> "Graph":
         if current() is not None:
@@ -99,6 +100,8 @@ class Graph:
         _local.graph = None
         if exc_type is None:
             self.submit()
+        else:
+            self._keep.clear()
 
 
 def graph() -> Graph:

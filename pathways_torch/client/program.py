@@ -35,6 +35,7 @@ from ..errors import PlacementError, ShardingError, TraceError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, spec_from_proto, spec_to_proto, validate_spec
+from . import graph as graph_mod
 from . import runtime
 from .array import Array, put, wait
 from .capture import Traced, trace
@@ -107,6 +108,9 @@ class Program:
             inputs.append(leaf)
         if state.dispatch == "sequential":
             wait(inputs)            # the baseline: wait for predecessors, then dispatch
+        g = graph_mod.current()
+        if g is not None:
+            g.keep(*inputs)
 
         out_specs = self._resolve_out_specs(traced, slice_)
         in_specs = tuple(a.sharding for a in inputs)

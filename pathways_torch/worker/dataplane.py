@@ -69,6 +69,7 @@ class DataPlane:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pw-send")
         self.bytes_received = 0
         self.bytes_sent = 0
+        self.recv_seconds = 0.0
         self._closed = False
         threading.Thread(target=self._accept, name="pw-data-accept", daemon=True).start()
 
@@ -109,6 +110,7 @@ class DataPlane:
                 arrival.seconds = time.perf_counter() - t0
                 with self._cond:
                     self.bytes_received += nbytes
+                    self.recv_seconds += arrival.seconds
                     self._arrived[tid] = arrival
                     self._cond.notify_all()
         except OSError:

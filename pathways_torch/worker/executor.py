@@ -267,7 +267,7 @@ class ExecutorService(_make_servicer_base()):
             num_programs=len(self.programs), num_devices=len(self.mesh.device_ids),
             executed=self.executed, compiles=self.compiles, pid=os.getpid(),
             gang_positions=self.gang_positions, bytes_received=self.dataplane.bytes_received,
-            bytes_sent=self.dataplane.bytes_sent)
+            bytes_sent=self.dataplane.bytes_sent, recv_seconds=self.dataplane.recv_seconds)
 
     # ------------------------------------------------------------------ execution thread
     def _loop(self) -> None:
