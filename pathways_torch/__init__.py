@@ -44,11 +44,15 @@ _LAZY = {
     "dispatch_mode": "client.runtime", "init": "client.runtime",
     "is_initialized": "client.runtime", "shutdown": "client.runtime",
     "slice": "client.runtime",
+    "Trainer": "trainer",
+    "DataParallel": "parallel.strategies", "FullyShardedDataParallel": "parallel.strategies",
+    "TensorParallel": "parallel.strategies",
 }
 
 __all__ = [
     "init", "shutdown", "is_initialized", "devices", "slice", "put", "wait", "program",
     "graph", "dispatch_mode", "P", "Array", "Slice", "Device", "Program", "Graph",
+    "Trainer", "DataParallel", "FullyShardedDataParallel", "TensorParallel",
     "PathwaysError", "NotInitializedError", "ClusterShutdownError", "ResourceExhaustedError",
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",
     "ProgramError", "WorkerLostError", "TimeoutError", "OutOfMemoryError",

@@ -138,6 +138,9 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
     """Trace ``fn`` on placeholders of ``in_avals``; ``build_args`` places them in the args."""
     from torch.utils import _pytree as pytree
     sig = ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for s, d in in_avals)
+    # The XLA device must exist before the first autograd use (the meta check may be
+    # one): the autograd engine sizes its per-device queues when it first starts.
+    xla_device()
     _check_with_meta(fn, name, in_avals, build_args, sig)
     with _lock:
         dev = xla_device()

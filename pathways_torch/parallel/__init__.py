@@ -1,0 +1,1 @@
+"""Parallelism strategies for pw.Trainer: how parameters and batches are laid out."""

@@ -1,0 +1,68 @@
+"""How a Trainer lays parameters, optimizer state and batches out on a slice.
+
+Every strategy here is a choice of partition specs; XLA's SPMD partitioner inserts the
+collectives (the gradient all-reduce of data parallelism, the gathers of FSDP, the
+reductions of tensor parallelism) inside the one compiled step program.
+
+Example::
+
+    pw.Trainer(model, opt, loss_fn, slice=s, parallelism=pw.DataParallel("data"))
+    pw.Trainer(model, opt, loss_fn, slice=s,
+               parallelism=pw.TensorParallel({"0.weight": P("model", None)}, batch_axis="data"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Optional, Sequence
+
+from ..sharding import P
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """Batch split over ``axis`` (dimension 0); parameters and optimizer state replicated."""
+
+    axis: str = "data"
+
+    def param_spec(self, name: str, shape: Sequence[int], mesh: Dict[str, int]) -> P:
+        return P()
+
+    def batch_spec(self, shape: Sequence[int], mesh: Dict[str, int]) -> P:
+        return P(self.axis) if shape else P()
+
+
+@dataclasses.dataclass(frozen=True)
+class FullyShardedDataParallel(DataParallel):
+    """As DataParallel, and every parameter (and its optimizer state) is split over
+    ``axis`` along its first dimension that the axis divides; the others stay whole."""
+
+    def param_spec(self, name: str, shape: Sequence[int], mesh: Dict[str, int]) -> P:
+        n = mesh[self.axis]
+        for d, size in enumerate(shape):
+            if size % n == 0 and size >= n:
+                return P(*([None] * d + [self.axis]))
+        return P()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """Explicit per-parameter specs (others replicated); batch split over ``batch_axis``."""
+
+    param_specs: Dict[str, P] = dataclasses.field(default_factory=dict)
+    batch_axis: Optional[str] = None
+
+    def param_spec(self, name: str, shape: Sequence[int], mesh: Dict[str, int]) -> P:
+        return self.param_specs.get(name, P())
+
+    def batch_spec(self, shape: Sequence[int], mesh: Dict[str, int]) -> P:
+        return P(self.batch_axis) if (self.batch_axis and shape) else P()
+
+
+def mesh_sizes(slice_) -> Dict[str, int]:
+    return dict(zip(slice_.axis_names, slice_.mesh_shape))
+
+
+def shard_count(spec: P, mesh: Dict[str, int]) -> int:
+    return math.prod(mesh[a] for d in range(len(spec)) for a in spec.axes(d))
