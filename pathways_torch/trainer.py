@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from . import optim as fopt
 from .client.array import Array, put
 from .client.program import Program
-from .errors import ShardingError
+from .errors import PathwaysError, ShardingError
 from .parallel.strategies import DataParallel, mesh_sizes
 from .sharding import P, validate_spec
 
@@ -47,9 +47,10 @@ class Trainer:
         self._group_of: Dict[str, int] = {}
         ids = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.param_specs: Dict[str, P] = {}
-        params = {}
+        params, frozen = {}, {}
         for name, p in model.named_parameters():
             if not p.requires_grad or id(p) not in ids:
+                frozen[name] = p          # not trained: an input like a buffer
                 continue
             self._group_of[name] = ids[id(p)]
             spec = self.parallelism.param_spec(name, tuple(p.shape), self._mesh)
@@ -57,13 +58,20 @@ class Trainer:
                           f"parameter {name!r}")
             self.param_specs[name] = spec
             params[name] = put(p.detach(), slice, spec)
+        if not params:
+            raise PathwaysError(
+                "the optimizer holds none of the model's parameters: build it from "
+                "model.parameters() of the same model you pass to pw.Trainer")
         self.params: Dict[str, Array] = params
         self.buffers = {name: put(b.detach(), slice, P())
-                        for name, b in model.named_buffers()}
+                        for name, b in list(model.named_buffers()) + list(frozen.items())}
         self.state: Dict[str, Dict[str, Array]] = {}
         self._init_state()
         self.steps = self._optimizer_steps()
-        self._program = Program(self._step_fn, name=f"train_step_{type(model).__name__}")
+        # The step function closes over what it needs, not over the Trainer, so that
+        # dropping a Trainer frees its worker buffers at once (no reference cycle).
+        self._program = Program(_make_step_fn(model, loss_fn, dict(self._group_of)),
+                                name=f"train_step_{type(model).__name__}")
 
     # ------------------------------------------------------------------ state
     def _state_names(self, name: str):
@@ -88,22 +96,6 @@ class Trainer:
             if "step" in st:
                 return int(st["step"])
         return 0
-
-    # ------------------------------------------------------------------ the program
-    def _step_fn(self, params, buffers, state, sc, inputs, targets, hyper):
-        kind, groups = hyper
-        names = list(params)
-        leaves = [params[n].requires_grad_() for n in names]
-        out = torch.func.functional_call(self.model, {**params, **buffers}, (inputs,))
-        loss = self.loss_fn(out, targets)
-        grads = torch.autograd.grad(loss, leaves)
-        new_params, new_state = {}, {}
-        for n, p, g in zip(names, leaves, grads):
-            gi = self._group_of[n]
-            newp, newst = fopt.update(kind, dict(groups[gi]), sc[gi], p.detach(), g,
-                                      state[n])
-            new_params[n], new_state[n] = newp, newst
-        return new_params, new_state, loss.detach()
 
     def _batch(self, value):
         def place(t):
@@ -202,3 +194,23 @@ class Trainer:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(sd, checkpoint_id=path)
         self.load_state_dict(sd)
+
+
+def _make_step_fn(model: torch.nn.Module, loss_fn: Callable, group_of: Dict[str, int]):
+    """The traced training step: forward, backward and the optimizer update."""
+
+    def train_step(params, buffers, state, sc, inputs, targets, hyper):
+        kind, groups = hyper
+        names = list(params)
+        leaves = [params[n].requires_grad_() for n in names]
+        out = torch.func.functional_call(model, {**params, **buffers}, (inputs,))
+        loss = loss_fn(out, targets)
+        grads = torch.autograd.grad(loss, leaves)
+        new_params, new_state = {}, {}
+        for n, p, g in zip(names, leaves, grads):
+            gi = group_of[n]
+            new_params[n], new_state[n] = fopt.update(kind, dict(groups[gi]), sc[gi],
+                                                      p.detach(), g, state[n])
+        return new_params, new_state, loss.detach()
+
+    return train_step

@@ -58,11 +58,12 @@ def run_executor(req: dict) -> None:
 
 class _Program:
     __slots__ = ("name", "xla_name", "comp", "params", "constants", "out_specs", "out_bytes",
-                 "out_nbytes")
+                 "out_nbytes", "out_shards")
 
     def __init__(self, name, xla_name, comp, params, constants, out_specs):
         self.out_bytes = 0
         self.out_nbytes = []
+        self.out_shards = []
         self.name = name
         self.xla_name = xla_name
         self.comp = comp
@@ -130,6 +131,17 @@ class ExecutorService(_make_servicer_base()):
     def _err(self, kind: str, message: str, program: str = ""):
         return self.pb.BufferError(kind=kind, message=message, program=program,
                                    host=self.where)
+
+    def _shards(self, spec) -> int:
+        """Into how many pieces ``spec`` cuts a buffer (1 when replicated)."""
+        if not self.spmd:
+            return 1
+        sizes = dict(zip(self.axis_names, self.mesh_shape))
+        n = 1
+        for d in range(len(spec)):
+            for a in spec.axes(d):
+                n *= sizes.get(a, 1)
+        return n
 
     def _padded(self, spec, rank: int) -> tuple:
         entries = list(spec) + [None] * (rank - len(spec))
@@ -264,6 +276,7 @@ class ExecutorService(_make_servicer_base()):
     def Stats(self, request, context):
         return self.pb.StatsReply(
             num_buffers=len(self.store.entries), buffer_bytes=self.store.bytes,
+            device_bytes=self.store.device_bytes,
             num_programs=len(self.programs), num_devices=len(self.mesh.device_ids),
             executed=self.executed, compiles=self.compiles, pid=os.getpid(),
             gang_positions=self.gang_positions, bytes_received=self.dataplane.bytes_received,
@@ -316,7 +329,8 @@ class ExecutorService(_make_servicer_base()):
             self.store.release(op.release.buffer_ids)
         elif which == "recv":
             r = op.recv
-            self.store.put(r.buffer_id, _entry(nbytes=_nbytes(r.meta), pending=r))
+            self.store.put(r.buffer_id, Entry(None, None, _nbytes(r.meta), "", r,
+                                              self._shards(spec_from_proto(r.spec))))
         elif which == "send":
             self._send(op.send)
         elif which == "barrier":
@@ -431,6 +445,7 @@ class ExecutorService(_make_servicer_base()):
         reply = self.pb.CompileReply()
         for o in outs:
             spec, hlo = self._spec_of(o)
+            prog.out_shards.append(self._shards(spec) if spec is not None else 1)
             spec_to_proto(spec if spec is not None else (), reply.out_specs.add())
             reply.out_spec_known.append(spec is not None)
             reply.out_hlo_shardings.append(hlo)
@@ -489,8 +504,8 @@ class ExecutorService(_make_servicer_base()):
                 self.store.put(b, _entry(error=err))
             return
         put = self.store.put
-        for b, o, n in zip(op.outputs, outs, prog.out_nbytes):
-            put(b, Entry(o, None, n, prog.name))
+        for b, o, n, k in zip(op.outputs, outs, prog.out_nbytes, prog.out_shards):
+            put(b, Entry(o, None, n, prog.name, None, k))
         self.executed += 1
 
     def _oom_text(self, prog) -> str:
@@ -516,8 +531,9 @@ class ExecutorService(_make_servicer_base()):
         try:
             cpu = codec.from_bytes(data, meta.dtype, meta.shape)
             t = cpu.to(self.device)
-            self._shard(t, spec_from_proto(spec))
-            entry = _entry(tensor=t, nbytes=len(data))
+            p = spec_from_proto(spec)
+            self._shard(t, p)
+            entry = Entry(t, None, len(data), "", None, self._shards(p))
         except Exception as e:
             entry = _entry(error=self._err("input", f"put of buffer {op.buffer_id} failed: {e}"))
         self.store.put(op.buffer_id, entry)

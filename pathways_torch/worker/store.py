@@ -7,10 +7,11 @@ from typing import Dict, Optional
 
 
 class Entry:
-    __slots__ = ("tensor", "error", "nbytes", "origin", "pending")
+    __slots__ = ("tensor", "error", "nbytes", "origin", "pending", "shards")
 
     def __init__(self, tensor=None, error=None, nbytes: int = 0, origin: str = "",
-                 pending=None) -> None:
+                 pending=None, shards: int = 1) -> None:
+        self.shards = shards      # how many pieces each device's share is (1: replicated)
         self.tensor = tensor      # a torch_xla tensor (possibly still being computed)
         self.error = error        # a pb.BufferError when the buffer could not be produced
         self.nbytes = nbytes
@@ -29,6 +30,7 @@ class ObjectStore:
         self.cond = threading.Condition()
         self.entries: Dict[int, Entry] = {}
         self.processed = 0          # ordered (non-release) ops processed, in stream order
+        self.device_bytes = 0       # bytes on each device (a sharded buffer counts 1/shards)
         self._done_out_of_order: set = set()
         self.bytes = 0
 
@@ -37,8 +39,10 @@ class ObjectStore:
             old = self.entries.get(buffer_id)
             if old is not None:
                 self.bytes -= old.nbytes
+                self.device_bytes -= old.nbytes // old.shards
             self.entries[buffer_id] = entry
             self.bytes += entry.nbytes
+            self.device_bytes += entry.nbytes // entry.shards
 
     def get(self, buffer_id: int) -> Optional[Entry]:
         return self.entries.get(buffer_id)
@@ -49,6 +53,7 @@ class ObjectStore:
                 e = self.entries.pop(i, None)
                 if e is not None:
                     self.bytes -= e.nbytes
+                    self.device_bytes -= e.nbytes // e.shards
 
     def advance(self, index: int) -> None:
         """Mark stream op ``index`` (1-based) processed; ``processed`` counts the prefix."""
