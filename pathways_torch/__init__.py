@@ -46,13 +46,15 @@ _LAZY = {
     "slice": "client.runtime",
     "Trainer": "trainer",
     "DataParallel": "parallel.strategies", "FullyShardedDataParallel": "parallel.strategies",
-    "TensorParallel": "parallel.strategies",
+    "TensorParallel": "parallel.strategies", "Pipeline": "parallel.strategies",
+    "MultiIsland": "parallel.strategies",
 }
 
 __all__ = [
     "init", "shutdown", "is_initialized", "devices", "slice", "put", "wait", "program",
     "graph", "dispatch_mode", "P", "Array", "Slice", "Device", "Program", "Graph",
-    "Trainer", "DataParallel", "FullyShardedDataParallel", "TensorParallel",
+    "Trainer", "DataParallel", "FullyShardedDataParallel", "TensorParallel", "Pipeline",
+    "MultiIsland",
     "PathwaysError", "NotInitializedError", "ClusterShutdownError", "ResourceExhaustedError",
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",
     "ProgramError", "WorkerLostError", "TimeoutError", "OutOfMemoryError",

@@ -1,9 +1,14 @@
-"""``pw.Trainer``: train an ordinary nn.Module with a torch.optim optimizer on a slice.
+"""``pw.Trainer``: train an ordinary nn.Module with a torch.optim optimizer on slices.
 
-One compiled program per step does forward, backward and the optimizer update; the
-parameters and optimizer state stay on the workers (each step's outputs become the
-next step's inputs), only the batch moves, and steps are dispatched ahead: ``step``
-returns the loss as a ``pw.Array`` future without waiting for the previous step.
+Forward, backward and the optimizer update run as compiled programs on the workers;
+parameters and optimizer state stay there (each step's outputs are the next step's
+inputs), only the batch moves, and steps are dispatched ahead: ``step`` returns the loss
+as a ``pw.Array`` future without waiting for the previous step.
+
+- ``DataParallel``, ``FullyShardedDataParallel``, ``TensorParallel``: one SPMD program
+  per step on one slice.
+- ``Pipeline``: GPipe over several slices, one recorded dataflow graph per step.
+- ``MultiIsland``: one replica per island, gradients exchanged over DCN transfers.
 
 Example::
 
@@ -19,102 +24,117 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
 
 from . import optim as fopt
 from .client.array import Array, put
+from .client.graph import graph
 from .client.program import Program
 from .errors import PathwaysError, ShardingError
-from .parallel.strategies import DataParallel, mesh_sizes
+from .parallel.strategies import (DataParallel, MultiIsland, Pipeline, TensorParallel,
+                                  mesh_sizes)
 from .sharding import P, validate_spec
 
 
 class Trainer:
-    """Data-, fully-sharded- or tensor-parallel training of ``model`` on ``slice``."""
+    """Train ``model`` with ``optimizer`` and ``loss_fn(model(inputs), targets)``."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable, *, slice, parallelism=None) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.slice = slice
-        self.parallelism = parallelism or DataParallel(slice.axis_names[0])
+                 loss_fn: Callable, *, slice=None, parallelism=None) -> None:
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.opt = fopt.describe(optimizer)
-        self._mesh = mesh_sizes(slice)
-        self._group_of: Dict[str, int] = {}
+        if isinstance(parallelism, (Pipeline, MultiIsland)):
+            self.slices = list(parallelism.slices)
+        elif slice is not None:
+            self.slices = [slice]
+            parallelism = parallelism or DataParallel(slice.axis_names[0])
+        else:
+            raise PathwaysError("pw.Trainer needs slice= (or a Pipeline / MultiIsland "
+                                "parallelism that names its slices)")
+        self.parallelism = parallelism
         ids = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self.param_specs: Dict[str, P] = {}
-        params, frozen = {}, {}
-        for name, p in model.named_parameters():
-            if not p.requires_grad or id(p) not in ids:
-                frozen[name] = p          # not trained: an input like a buffer
-                continue
-            self._group_of[name] = ids[id(p)]
-            spec = self.parallelism.param_spec(name, tuple(p.shape), self._mesh)
-            validate_spec(spec, p.shape, slice.axis_names, slice.mesh_shape,
-                          f"parameter {name!r}")
-            self.param_specs[name] = spec
-            params[name] = put(p.detach(), slice, spec)
-        if not params:
+        named = dict(model.named_parameters())
+        self._group_of = {n: ids[id(p)] for n, p in named.items()
+                          if p.requires_grad and id(p) in ids}
+        if not self._group_of:
             raise PathwaysError(
                 "the optimizer holds none of the model's parameters: build it from "
                 "model.parameters() of the same model you pass to pw.Trainer")
-        self.params: Dict[str, Array] = params
-        self.buffers = {name: put(b.detach(), slice, P())
-                        for name, b in list(model.named_buffers()) + list(frozen.items())}
-        self.state: Dict[str, Dict[str, Array]] = {}
-        self._init_state()
-        self.steps = self._optimizer_steps()
-        # The step function closes over what it needs, not over the Trainer, so that
-        # dropping a Trainer frees its worker buffers at once (no reference cycle).
-        self._program = Program(_make_step_fn(model, loss_fn, dict(self._group_of)),
-                                name=f"train_step_{type(model).__name__}")
+        fixed = {n: p for n, p in named.items() if n not in self._group_of}
+        fixed.update(dict(model.named_buffers()))
 
-    # ------------------------------------------------------------------ state
-    def _state_names(self, name: str):
+        # Where everything lives: replicas[r] is one full copy of the trained state,
+        # each tensor on its own slice (Pipeline: a stage's slice).
+        if isinstance(parallelism, Pipeline):
+            self._stages = _split_stages(model, parallelism)
+            home = {n: k for k, (_, names) in enumerate(self._stages) for n in names}
+            homes = [lambda n: self.slices[home[n.split(".", 1)[0]]]]
+        elif isinstance(parallelism, MultiIsland):
+            homes = [lambda n, s=s: s for s in self.slices]
+        else:
+            homes = [lambda n: self.slices[0]]
+        self._homes = homes
+        self.param_specs = {n: self._param_spec(n, tuple(named[n].shape), homes[0](n))
+                            for n in self._group_of}
+        self.replicas: List[Dict[str, Array]] = []
+        self.states: List[Dict[str, Dict[str, Array]]] = []
+        self.fixed: List[Dict[str, Array]] = []
+        for home_of in homes:
+            self.replicas.append({n: put(named[n].detach(), home_of(n), self.param_specs[n])
+                                  for n in self._group_of})
+            self.fixed.append({n: put(t.detach(), home_of(n), P()) for n, t in fixed.items()})
+            self.states.append({n: {k: put(t, home_of(n), self.param_specs[n])
+                                    for k, t in self._initial_state(n, named[n]).items()}
+                                for n in self._group_of})
+        self.steps = next((int(st["step"]) for st in optimizer.state.values()
+                           if "step" in st), 0)
+        self._programs: Dict[str, Program] = {}
+
+    # ------------------------------------------------------------------ layout helpers
+    def _param_spec(self, name: str, shape, slice_) -> P:
+        if isinstance(self.parallelism, (Pipeline, MultiIsland)):
+            return P()
+        spec = self.parallelism.param_spec(name, shape, mesh_sizes(slice_))
+        validate_spec(spec, shape, slice_.axis_names, slice_.mesh_shape,
+                      f"parameter {name!r}")
+        return spec
+
+    def _initial_state(self, name: str, p: torch.Tensor) -> Dict[str, torch.Tensor]:
         g = self.opt["groups"][self._group_of[name]]
-        return fopt.state_names(self.opt["kind"], g.get("momentum", 0.0))
+        existing = self.optimizer.state.get(p, {})
+        return {k: (existing[k].detach() if k in existing else torch.zeros_like(p.detach()))
+                for k in fopt.state_names(self.opt["kind"], g.get("momentum", 0.0))}
 
-    def _init_state(self) -> None:
-        """Optimizer state from the torch optimizer if it has some, else zeros."""
-        by_param = {p: n for n, p in self.model.named_parameters()}
-        for name, arr in self.params.items():
-            p = dict(self.model.named_parameters())[name]
-            existing = self.optimizer.state.get(p, {})
-            self.state[name] = {}
-            for sname in self._state_names(name):
-                t = existing.get(sname)
-                t = torch.zeros_like(p.detach()) if t is None else t.detach()
-                self.state[name][sname] = put(t, self.slice, self.param_specs[name])
-        del by_param
+    @property
+    def params(self) -> Dict[str, Array]:
+        """The trained parameters (of the first replica), as Arrays."""
+        return self.replicas[0]
 
-    def _optimizer_steps(self) -> int:
-        for st in self.optimizer.state.values():
-            if "step" in st:
-                return int(st["step"])
-        return 0
-
-    def _batch(self, value):
+    def _batch(self, value, slice_, axis: Optional[str]):
         def place(t):
             if isinstance(t, Array):
                 return t
             t = torch.as_tensor(t)
-            spec = self.parallelism.batch_spec(tuple(t.shape), self._mesh)
+            spec = P(axis) if (axis and t.dim()) else P()
             try:
-                validate_spec(spec, t.shape, self.slice.axis_names, self.slice.mesh_shape,
-                              "batch")
+                validate_spec(spec, t.shape, slice_.axis_names, slice_.mesh_shape, "batch")
             except ShardingError as e:
                 raise ShardingError(f"{e}; use a batch size that the data axis divides") \
                     from None
-            return put(t, self.slice, spec)
+            return put(t, slice_, spec)
         return pytree.tree_map(place, value)
 
-    def step(self, inputs: Any, targets: Any) -> Array:
-        """Dispatch one training step; returns the loss (a ``pw.Array``) at once."""
-        self.steps += 1
+    def _program(self, key: str, fn: Callable) -> Program:
+        prog = self._programs.get(key)
+        if prog is None:
+            prog = self._programs[key] = Program(fn, name=f"{key}_{type(self.model).__name__}")
+        return prog
+
+    def _scalars(self) -> Tuple[list, tuple]:
         kind = self.opt["kind"]
         sc = []
         for gi, g in enumerate(self.opt["groups"]):
@@ -122,32 +142,124 @@ class Trainer:
             sc.append({k: torch.tensor(v, dtype=torch.float32)
                        for k, v in fopt.scalars(kind, g, lr, self.steps).items()})
         hyper = (kind, tuple(tuple(sorted(g.items())) for g in self.opt["groups"]))
-        new_params, new_state, loss = self._program(
-            self.params, self.buffers, self.state, sc, self._batch(inputs),
-            self._batch(targets), hyper)
-        self.params, self.state = new_params, new_state
+        return sc, hyper
+
+    # ------------------------------------------------------------------ steps
+    def step(self, inputs: Any, targets: Any) -> Array:
+        """Dispatch one training step; returns the loss (a ``pw.Array``) at once."""
+        self.steps += 1
+        sc, hyper = self._scalars()
+        if isinstance(self.parallelism, Pipeline):
+            return self._pipeline_step(inputs, targets, sc, hyper)
+        if isinstance(self.parallelism, MultiIsland):
+            return self._multi_island_step(inputs, targets, sc, hyper)
+        s = self.slices[0]
+        axis = None
+        if isinstance(self.parallelism, TensorParallel):
+            axis = self.parallelism.batch_axis
+        elif isinstance(self.parallelism, DataParallel):
+            axis = self.parallelism.axis
+        prog = self._program("train_step", _make_step_fn(self.model, self.loss_fn,
+                                                         self._group_of))
+        new_params, new_state, loss = prog(
+            self.replicas[0], self.fixed[0], self.states[0], sc, self._batch(inputs, s, axis),
+            self._batch(targets, s, axis), hyper)
+        self.replicas[0], self.states[0] = new_params, new_state
         return loss
 
-    # ------------------------------------------------------------------ checkpoints
+    def _multi_island_step(self, inputs, targets, sc, hyper) -> Array:
+        n = len(self.slices)
+        axis = self.parallelism.axis
+        xs, ys = _split(inputs, n, "islands"), _split(targets, n, "islands")
+        grad_prog = self._program("grads", _make_grad_fn(self.model, self.loss_fn))
+        apply_prog = self._program("apply", _make_apply_fn(self._group_of))
+        mean_prog = self._program("mean", lambda ls: torch.stack(ls).mean())
+        with graph():
+            grads, losses = [], []
+            for r, s in enumerate(self.slices):
+                g, l = grad_prog(self.replicas[r], self.fixed[r], self._batch(xs[r], s, axis),
+                                 self._batch(ys[r], s, axis))
+                grads.append(g)
+                losses.append(l)
+            for r, s in enumerate(self.slices):
+                # every replica sums the same gradients in the same order: identical updates
+                gathered = [g if i == r else _tree_to(g, s) for i, g in enumerate(grads)]
+                self.replicas[r], self.states[r] = apply_prog(
+                    self.replicas[r], self.states[r], sc, gathered, hyper)
+            loss = mean_prog([l if i == 0 else l.to(self.slices[0])
+                              for i, l in enumerate(losses)])
+        return loss
+
+    def _pipeline_step(self, inputs, targets, sc, hyper) -> Array:
+        m = self.parallelism.microbatches
+        xs, ys = _split(inputs, m, "microbatches"), _split(targets, m, "microbatches")
+        stages, slices = self._stages, self.slices
+        last = len(stages) - 1
+        params = [{n: self.replicas[0][n] for n in self.replicas[0]
+                   if n.split(".", 1)[0] in names} for _, names in stages]
+        fixed = [{n: t for n, t in self.fixed[0].items() if n.split(".", 1)[0] in names}
+                 for _, names in stages]
+        fwd = [self._program(f"stage{k}_fwd", _make_stage_fwd(mod))
+               for k, (mod, _) in enumerate(stages)]
+        bwd = [self._program(f"stage{k}_bwd", _make_stage_bwd(mod, k == 0))
+               for k, (mod, _) in enumerate(stages[:-1])]
+        last_bwd = self._program("last_bwd", _make_last_bwd(stages[-1][0], self.loss_fn, m,
+                                                            last == 0))
+        apply_prog = self._program("apply", _make_apply_fn(self._group_of))
+        mean_prog = self._program("mean", lambda ls: torch.stack(ls).sum() / len(ls))
+        with graph():
+            # GPipe: all forwards, microbatch by microbatch through the stages ...
+            acts = [[None] * (len(stages)) for _ in range(m)]      # stage inputs
+            for j in range(m):
+                h = self._batch(xs[j], slices[0], None)
+                for k in range(len(stages)):
+                    h = h if k == 0 else h.to(slices[k])
+                    acts[j][k] = h
+                    if k < last:
+                        h = fwd[k](params[k], fixed[k], h)
+            # ... then all backwards, in reverse, accumulating gradients per stage.
+            acc: List[Optional[dict]] = [None] * len(stages)
+            losses = []
+            for j in reversed(range(m)):
+                y = self._batch(ys[j], slices[last], None)
+                gx, acc[last], loss = last_bwd(params[last], fixed[last], acts[j][last], y,
+                                               acc[last] if acc[last] is not None else {})
+                losses.append(loss)
+                for k in reversed(range(last)):
+                    gy = gx.to(slices[k])
+                    gx, acc[k] = bwd[k](params[k], fixed[k], acts[j][k], gy,
+                                        acc[k] if acc[k] is not None else {})
+            new_params, new_states = {}, {}
+            for k in range(len(stages)):
+                st = {n: self.states[0][n] for n in params[k]}
+                p, s = apply_prog(params[k], st, sc, [acc[k]], hyper)
+                new_params.update(p)
+                new_states.update(s)
+            self.replicas[0], self.states[0] = new_params, new_states
+            loss = mean_prog(losses)
+        return loss
+
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
         """Parameters, buffers and optimizer state, fetched to the client as tensors."""
         return {
-            "model": {**{n: a.torch() for n, a in self.params.items()},
-                      **{n: a.torch() for n, a in self.buffers.items()}},
+            "model": {**{n: a.torch() for n, a in self.replicas[0].items()},
+                      **{n: a.torch() for n, a in self.fixed[0].items()}},
             "optim": {n: {k: a.torch() for k, a in st.items()}
-                      for n, st in self.state.items()},
+                      for n, st in self.states[0].items()},
             "steps": torch.tensor(self.steps),
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Put a ``state_dict()`` back on the slice (shardings as the strategy says)."""
-        for n in self.params:
-            self.params[n] = put(sd["model"][n], self.slice, self.param_specs[n])
-        for n in self.buffers:
-            self.buffers[n] = put(sd["model"][n], self.slice, P())
-        for n, st in self.state.items():
-            for k in st:
-                st[k] = put(sd["optim"][n][k], self.slice, self.param_specs[n])
+        """Put a ``state_dict()`` back on the slices (layout as the strategy says)."""
+        for r, home_of in enumerate(self._homes):
+            for n in self.replicas[r]:
+                self.replicas[r][n] = put(sd["model"][n], home_of(n), self.param_specs[n])
+            for n in self.fixed[r]:
+                self.fixed[r][n] = put(sd["model"][n], home_of(n), P())
+            for n, st in self.states[r].items():
+                for k in st:
+                    st[k] = put(sd["optim"][n][k], home_of(n), self.param_specs[n])
         self.steps = int(sd["steps"])
 
     def sync_to(self, model: Optional[torch.nn.Module] = None) -> torch.nn.Module:
@@ -156,12 +268,9 @@ class Trainer:
         model = model or self.model
         sd = self.state_dict()
         with torch.no_grad():
-            for n, p in model.named_parameters():
+            for n, t in list(model.named_parameters()) + list(model.named_buffers()):
                 if n in sd["model"]:
-                    p.copy_(sd["model"][n])
-            for n, b in model.named_buffers():
-                if n in sd["model"]:
-                    b.copy_(sd["model"][n])
+                    t.copy_(sd["model"][n])
         if model is self.model:
             named = dict(self.model.named_parameters())
             for n, st in sd["optim"].items():
@@ -173,7 +282,6 @@ class Trainer:
     def save(self, path: str) -> None:
         """Write the state in the torch.distributed.checkpoint format (a directory)."""
         import torch.distributed.checkpoint as dcp
-        import warnings
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(self.state_dict(), checkpoint_id=path)
@@ -181,36 +289,146 @@ class Trainer:
     def load(self, path: str) -> None:
         """Read a checkpoint written by ``save`` (or by torch.distributed.checkpoint)."""
         import torch.distributed.checkpoint as dcp
-        import warnings
-        sd = {
-            "model": {**{n: torch.empty(a.shape, dtype=a.dtype) for n, a in self.params.items()},
-                      **{n: torch.empty(a.shape, dtype=a.dtype)
-                         for n, a in self.buffers.items()}},
-            "optim": {n: {k: torch.empty(a.shape, dtype=a.dtype) for k, a in st.items()}
-                      for n, st in self.state.items()},
-            "steps": torch.tensor(0),
-        }
+
+        def empty(a):
+            return torch.empty(a.shape, dtype=a.dtype)
+
+        sd = {"model": {**{n: empty(a) for n, a in self.replicas[0].items()},
+                        **{n: empty(a) for n, a in self.fixed[0].items()}},
+              "optim": {n: {k: empty(a) for k, a in st.items()}
+                        for n, st in self.states[0].items()},
+              "steps": torch.tensor(0)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(sd, checkpoint_id=path)
         self.load_state_dict(sd)
 
 
-def _make_step_fn(model: torch.nn.Module, loss_fn: Callable, group_of: Dict[str, int]):
-    """The traced training step: forward, backward and the optimizer update."""
+# ---------------------------------------------------------------------- helpers
 
-    def train_step(params, buffers, state, sc, inputs, targets, hyper):
-        kind, groups = hyper
+def _split(value, n: int, what: str) -> list:
+    """Split every tensor of a batch pytree into ``n`` equal parts along dimension 0."""
+    leaves, spec = pytree.tree_flatten(value)
+    parts = []
+    for t in leaves:
+        t = torch.as_tensor(t)
+        if t.shape[0] % n:
+            raise ShardingError(f"a batch of {t.shape[0]} cannot be split into {n} equal "
+                                f"{what}; use a batch size divisible by {n}")
+        parts.append(t.chunk(n))
+    return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
+
+
+def _tree_to(tree, slice_):
+    return pytree.tree_map(lambda a: a.to(slice_) if isinstance(a, Array) else a, tree)
+
+
+def _split_stages(model: torch.nn.Module, pipe: Pipeline):
+    """[(stage module, names of the model's children in it)] for an nn.Sequential."""
+    if not isinstance(model, torch.nn.Sequential):
+        raise PathwaysError("pw.Pipeline splits an nn.Sequential into stages; wrap the "
+                            "model's layers in one")
+    n = len(model)
+    if isinstance(pipe.stages, int):
+        s = pipe.stages
+        if not 1 <= s <= n:
+            raise PathwaysError(f"cannot split {n} layers into {s} stages")
+        bounds = [(n * k // s, n * (k + 1) // s) for k in range(s)]
+    else:
+        bounds = [tuple(b) for b in pipe.stages]
+    if len(bounds) != len(pipe.slices):
+        raise PathwaysError(f"{len(bounds)} stages need {len(bounds)} slices, got "
+                            f"{len(pipe.slices)}")
+    names = list(model._modules)
+    return [(model[a:b], names[a:b]) for a, b in bounds]
+
+
+def _stage_call(mod, params, fixed, x):
+    # A stage is model[a:b]: its parameter names are the full model's ("3.weight"), and
+    # a slice of an nn.Sequential keeps the children's names, so they line up.
+    return torch.func.functional_call(mod, {**params, **fixed}, (x,))
+
+
+def _make_step_fn(model, loss_fn, group_of):
+    """One SPMD step: forward, backward and the optimizer update."""
+    def train_step(params, fixed, state, sc, inputs, targets, hyper):
         names = list(params)
         leaves = [params[n].requires_grad_() for n in names]
-        out = torch.func.functional_call(model, {**params, **buffers}, (inputs,))
-        loss = loss_fn(out, targets)
-        grads = torch.autograd.grad(loss, leaves)
-        new_params, new_state = {}, {}
-        for n, p, g in zip(names, leaves, grads):
-            gi = group_of[n]
-            new_params[n], new_state[n] = fopt.update(kind, dict(groups[gi]), sc[gi],
-                                                      p.detach(), g, state[n])
+        loss = loss_fn(torch.func.functional_call(model, {**params, **fixed}, (inputs,)),
+                       targets)
+        grads = dict(zip(names, torch.autograd.grad(loss, leaves)))
+        new_params, new_state = _apply(group_of, params, state, sc, [grads], hyper)
         return new_params, new_state, loss.detach()
-
     return train_step
+
+
+def _make_grad_fn(model, loss_fn):
+    def grads(params, fixed, inputs, targets):
+        names = list(params)
+        leaves = [params[n].requires_grad_() for n in names]
+        loss = loss_fn(torch.func.functional_call(model, {**params, **fixed}, (inputs,)),
+                       targets)
+        return dict(zip(names, torch.autograd.grad(loss, leaves))), loss.detach()
+    return grads
+
+
+def _apply(group_of, params, state, sc, grad_list, hyper):
+    """The optimizer update with the mean of ``grad_list`` (summed in its order)."""
+    kind, groups = hyper
+    new_params, new_state = {}, {}
+    for n, p in params.items():
+        g = grad_list[0][n]
+        for other in grad_list[1:]:
+            g = g + other[n]
+        if len(grad_list) > 1:
+            g = g / len(grad_list)
+        gi = group_of[n]
+        new_params[n], new_state[n] = fopt.update(kind, dict(groups[gi]), sc[gi],
+                                                  p.detach(), g, state[n])
+    return new_params, new_state
+
+
+def _make_apply_fn(group_of):
+    def apply(params, state, sc, grad_list, hyper):
+        return _apply(group_of, params, state, sc, grad_list, hyper)
+    return apply
+
+
+def _make_stage_fwd(mod):
+    def stage_fwd(params, fixed, x):
+        return _stage_call(mod, params, fixed, x)
+    return stage_fwd
+
+
+def _accumulate(acc, names, grads):
+    return {n: (acc[n] + g if n in acc else g) for n, g in zip(names, grads)}
+
+
+def _make_stage_bwd(mod, first: bool):
+    """Recompute the stage's forward, then backpropagate ``gy``; accumulate grads."""
+    def stage_bwd(params, fixed, x, gy, acc):
+        names = list(params)
+        leaves = [params[n].requires_grad_() for n in names]
+        if not first:
+            x = x.requires_grad_()
+        y = _stage_call(mod, params, fixed, x)
+        wrt = leaves if first else [x] + leaves
+        grads = torch.autograd.grad(y, wrt, grad_outputs=gy)
+        gx = torch.zeros((), dtype=y.dtype) if first else grads[0]
+        return gx, _accumulate(acc, names, grads if first else grads[1:])
+    return stage_bwd
+
+
+def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool):
+    """The last stage: forward, loss / microbatches, backward; accumulate grads."""
+    def last_bwd(params, fixed, x, targets, acc):
+        names = list(params)
+        leaves = [params[n].requires_grad_() for n in names]
+        if not first:
+            x = x.requires_grad_()
+        loss = loss_fn(_stage_call(mod, params, fixed, x), targets)
+        wrt = leaves if first else [x] + leaves
+        grads = torch.autograd.grad(loss / microbatches, wrt)
+        gx = torch.zeros((), dtype=loss.dtype) if first else grads[0]
+        return gx, _accumulate(acc, names, grads if first else grads[1:]), loss.detach()
+    return last_bwd

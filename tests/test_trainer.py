@@ -172,3 +172,47 @@ def test_unsupported_optimizer(mesh):
     model = make_model()
     with pytest.raises(pw.PathwaysError, match="SGD, Adam and AdamW"):
         pw.Trainer(model, torch.optim.RMSprop(model.parameters()), loss_fn, slice=mesh)
+
+
+def deep_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+        torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 2)])
+def test_pipeline_losses_equal_plain_torch(cluster8, stages, microbatches):
+    slices = [pw.slice((1,)) for _ in range(stages)]
+    try:
+        model, data = deep_model(), make_data(10, batch=8, seed=5)
+        ref = copy.deepcopy(model)
+        make_opt = OPTIMIZERS["adamw"]
+        tr = pw.Trainer(model, make_opt(model.parameters()), loss_fn,
+                        parallelism=pw.Pipeline(stages, microbatches, slices))
+        losses = [tr.step(x, y) for x, y in data]
+        assert_losses_match([float(l) for l in losses], torch_losses(ref, make_opt, data))
+        # each stage's parameters live on its own slice
+        homes = {n: a.slice for n, a in tr.params.items()}
+        assert len(set(map(id, homes.values()))) == stages
+        trained = tr.sync_to(copy.deepcopy(model))
+        for (n, a), b in zip(trained.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
+    finally:
+        for s in slices:
+            s.release()
+
+
+def test_pipeline_needs_a_sequential_and_enough_slices(cluster8):
+    s = pw.slice((1,))
+    try:
+        with pytest.raises(pw.PathwaysError, match="nn.Sequential"):
+            m = torch.nn.Linear(2, 2)
+            pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1), loss_fn,
+                       parallelism=pw.Pipeline(2, 2, [s, s]))
+        with pytest.raises(pw.PathwaysError, match="2 stages need 2 slices"):
+            m = deep_model()
+            pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1), loss_fn,
+                       parallelism=pw.Pipeline(2, 2, [s]))
+    finally:
+        s.release()

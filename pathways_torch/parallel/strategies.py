@@ -66,3 +66,35 @@ def mesh_sizes(slice_) -> Dict[str, int]:
 
 def shard_count(spec: P, mesh: Dict[str, int]) -> int:
     return math.prod(mesh[a] for d in range(len(spec)) for a in spec.axes(d))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """GPipe over several slices: stage i's forward and backward run on ``slices[i]``.
+
+    ``stages``: the number of stages to split an ``nn.Sequential`` into (contiguous,
+    balanced by layer count), or a list of index ranges ``[(0, 3), (3, 6)]``.
+    ``microbatches``: the batch is split into this many; activations and gradients
+    move between slices through the dataflow graph; one optimizer step per batch.
+    """
+
+    stages: object
+    microbatches: int
+    slices: tuple
+
+    def __post_init__(self):
+        object.__setattr__(self, "slices", tuple(self.slices))
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiIsland:
+    """Data parallel across islands: each slice (one per island) holds a replica and
+    trains on its share of the batch (SPMD over ``axis`` inside the island); gradients
+    are exchanged between islands over DCN transfers and every replica applies the
+    same update."""
+
+    slices: tuple
+    axis: str = "data"
+
+    def __post_init__(self):
+        object.__setattr__(self, "slices", tuple(self.slices))
