@@ -1,0 +1,58 @@
+"""The recipes run as a user runs them: under plain python and under pathways-run.
+
+Short runs (a few steps); each must end with its JSON summary line and a finite loss.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(args, launcher=()):
+    env = dict(os.environ)
+    env.pop("PATHWAYS_ADDRESS", None)
+    cmd = [sys.executable] + (["-m", "pathways_torch", *launcher] if launcher else []) + args
+    r = subprocess.run(cmd, cwd=ROOT / "recipes", env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert math.isfinite(summary.get("final_loss", summary.get("max_abs_err", 0.0)))
+    return summary
+
+
+def test_quickstart_under_pathways_run():
+    s = run(["quickstart.py"], launcher=["--devices-per-host", "8"])
+    assert s["max_abs_err"] == 0.0
+
+
+def test_train_mlp_under_pathways_run_matches_torch():
+    s = run(["train_mlp.py", "--steps", "30"], launcher=["--devices-per-host", "4"])
+    assert abs(s["final_loss"] - s["torch_final_loss"]) <= 1e-4 * abs(s["torch_final_loss"])
+    assert s["final_loss"] < s["first_loss"]
+
+
+def test_train_gpt_plain_python(tmp_path):
+    s = run(["train_gpt.py", "--steps", "12", "--devices", "2", "--fsdp",
+             "--checkpoint", str(tmp_path / "ckpt")])
+    assert s["final_loss"] < s["first_loss"]
+    assert (tmp_path / "ckpt" / ".metadata").exists()
+
+
+@pytest.mark.slow
+def test_pipeline_gpt_plain_python():
+    s = run(["pipeline_gpt.py", "--steps", "3", "--stages", "2", "--microbatches", "2"])
+    assert s["stages"] == 2
+
+
+@pytest.mark.slow
+def test_two_islands_under_pathways_run():
+    s = run(["two_islands.py", "--steps", "3"],
+            launcher=["--islands", "2", "--devices-per-host", "2"])
+    assert s["dcn_bytes"] > 0
