@@ -171,8 +171,10 @@ class Trainer:
         n = len(self.slices)
         axis = self.parallelism.axis
         xs, ys = _split(inputs, n, "islands"), _split(targets, n, "islands")
-        grad_prog = self._program("grads", _make_grad_fn(self.model, self.loss_fn))
-        apply_prog = self._program("apply", _make_apply_fn(self._group_of))
+        # Gradients travel as one flat buffer per island: one transfer, not one per tensor.
+        grad_prog = self._program("grads", _make_grad_fn(self.model, self.loss_fn, flat=True))
+        shapes = {n: tuple(a.shape) for n, a in self.replicas[0].items()}
+        apply_prog = self._program("apply_flat", _make_apply_fn(self._group_of, shapes))
         mean_prog = self._program("mean", lambda ls: torch.stack(ls).mean())
         with graph():
             grads, losses = [], []
@@ -362,14 +364,28 @@ def _make_step_fn(model, loss_fn, group_of):
     return train_step
 
 
-def _make_grad_fn(model, loss_fn):
+def _make_grad_fn(model, loss_fn, flat: bool = False):
     def grads(params, fixed, inputs, targets):
         names = list(params)
         leaves = [params[n].requires_grad_() for n in names]
         loss = loss_fn(torch.func.functional_call(model, {**params, **fixed}, (inputs,)),
                        targets)
-        return dict(zip(names, torch.autograd.grad(loss, leaves))), loss.detach()
+        gs = torch.autograd.grad(loss, leaves)
+        if flat:
+            return torch.cat([g.reshape(-1) for g in gs]), loss.detach()
+        return dict(zip(names, gs)), loss.detach()
     return grads
+
+
+def _unflatten(flat, shapes: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
+    out, at = {}, 0
+    for n, shape in shapes.items():
+        k = 1
+        for d in shape:
+            k *= d
+        out[n] = flat[at:at + k].reshape(shape)
+        at += k
+    return out
 
 
 def _apply(group_of, params, state, sc, grad_list, hyper):
@@ -388,8 +404,13 @@ def _apply(group_of, params, state, sc, grad_list, hyper):
     return new_params, new_state
 
 
-def _make_apply_fn(group_of):
+def _make_apply_fn(group_of, flat_shapes: Optional[Dict[str, tuple]] = None):
     def apply(params, state, sc, grad_list, hyper):
+        if flat_shapes is not None:
+            total = grad_list[0]
+            for other in grad_list[1:]:
+                total = total + other
+            grad_list = [_unflatten(total / len(grad_list), flat_shapes)]
         return _apply(group_of, params, state, sc, grad_list, hyper)
     return apply
 

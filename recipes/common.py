@@ -29,7 +29,7 @@ def stdlib_text(max_bytes: int = 2_000_000) -> torch.Tensor:
             data += f.read()
         if len(data) >= max_bytes:
             break
-    return torch.frombuffer(bytes(data[:max_bytes]), dtype=torch.uint8).long()
+    return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
 
 
 def text_batches(data: torch.Tensor, batch: int, seq: int, seed: int = 0
