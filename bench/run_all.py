@@ -24,6 +24,7 @@ BENCHES = [
     ("fig7_parallel_dispatch.py", [], ["--hosts", "4", "--stages", "1,2,4",
                                        "--chains", "5", "--runs", "1"]),
     ("dcn.py", [], ["--runs", "2", "--mib", "16"]),
+    ("train.py", [], ["--runs", "1", "--steps", "5"]),
 ]
 
 
