@@ -69,14 +69,17 @@ class Trainer:
 
         # Where everything lives: replicas[r] is one full copy of the trained state,
         # each tensor on its own slice (Pipeline: a stage's slice).
+        # (the placement functions close over locals, never over self: a Trainer must
+        # not sit in a reference cycle, or dropping it would not free worker memory)
+        slices = list(self.slices)
         if isinstance(parallelism, Pipeline):
             self._stages = _split_stages(model, parallelism)
             home = {n: k for k, (_, names) in enumerate(self._stages) for n in names}
-            homes = [lambda n: self.slices[home[n.split(".", 1)[0]]]]
+            homes = [lambda n: slices[home[n.split(".", 1)[0]]]]
         elif isinstance(parallelism, MultiIsland):
-            homes = [lambda n, s=s: s for s in self.slices]
+            homes = [lambda n, s=s: s for s in slices]
         else:
-            homes = [lambda n: self.slices[0]]
+            homes = [lambda n: slices[0]]
         self._homes = homes
         self.param_specs = {n: self._param_spec(n, tuple(named[n].shape), homes[0](n))
                             for n in self._group_of}
@@ -128,10 +131,13 @@ class Trainer:
             return put(t, slice_, spec)
         return pytree.tree_map(place, value)
 
-    def _program(self, key: str, fn: Callable) -> Program:
+    def _program(self, key: str, fn: Callable, donate: Tuple[int, ...] = ()) -> Program:
+        """A cached step program; ``donate``: arguments (parameters, optimizer state)
+        whose memory the outputs reuse, so updates happen in place on the workers."""
         prog = self._programs.get(key)
         if prog is None:
-            prog = self._programs[key] = Program(fn, name=f"{key}_{type(self.model).__name__}")
+            prog = self._programs[key] = Program(fn, name=f"{key}_{type(self.model).__name__}",
+                                                 donate_argnums=donate)
         return prog
 
     def _scalars(self) -> Tuple[list, tuple]:
@@ -160,7 +166,7 @@ class Trainer:
         elif isinstance(self.parallelism, DataParallel):
             axis = self.parallelism.axis
         prog = self._program("train_step", _make_step_fn(self.model, self.loss_fn,
-                                                         self._group_of))
+                                                         self._group_of), donate=(0, 2))
         new_params, new_state, loss = prog(
             self.replicas[0], self.fixed[0], self.states[0], sc, self._batch(inputs, s, axis),
             self._batch(targets, s, axis), hyper)
@@ -174,7 +180,8 @@ class Trainer:
         # Gradients travel as one flat buffer per island: one transfer, not one per tensor.
         grad_prog = self._program("grads", _make_grad_fn(self.model, self.loss_fn, flat=True))
         shapes = {n: tuple(a.shape) for n, a in self.replicas[0].items()}
-        apply_prog = self._program("apply_flat", _make_apply_fn(self._group_of, shapes))
+        apply_prog = self._program("apply_flat", _make_apply_fn(self._group_of, shapes),
+                                   donate=(0, 1))
         mean_prog = self._program("mean", lambda ls: torch.stack(ls).mean())
         with graph():
             grads, losses = [], []
@@ -207,7 +214,7 @@ class Trainer:
                for k, (mod, _) in enumerate(stages[:-1])]
         last_bwd = self._program("last_bwd", _make_last_bwd(stages[-1][0], self.loss_fn, m,
                                                             last == 0))
-        apply_prog = self._program("apply", _make_apply_fn(self._group_of))
+        apply_prog = self._program("apply", _make_apply_fn(self._group_of), donate=(0, 1))
         mean_prog = self._program("mean", lambda ls: torch.stack(ls).sum() / len(ls))
         with graph():
             # GPipe: all forwards, microbatch by microbatch through the stages ...

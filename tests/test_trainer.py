@@ -216,3 +216,40 @@ def test_pipeline_needs_a_sequential_and_enough_slices(cluster8):
                        parallelism=pw.Pipeline(2, 2, [s]))
     finally:
         s.release()
+
+
+def test_dropping_a_trainer_frees_its_buffers(cluster8):
+    import gc
+    s = pw.slice((2,), axis_names=("data",))
+    try:
+        gc.collect()
+        base = s.stats().num_buffers
+        gc.disable()                     # prove it needs no cycle collection
+        try:
+            model = make_model()
+            tr = pw.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn,
+                            slice=s)
+            x, y = make_data(1)[0]
+            tr.step(x, y).wait()
+            assert s.stats().num_buffers > base
+            del tr
+            assert s.stats().num_buffers == base
+        finally:
+            gc.enable()
+    finally:
+        s.release()
+
+
+def test_parameters_are_updated_in_place(mesh):
+    model = make_model()
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                    loss_fn, slice=mesh)
+    x, y = make_data(1)[0]
+    old = tr.params["0.weight"]
+    before = mesh.stats().aliased_buffers
+    tr.step(x, y).wait()
+    # XLA reused the memory of every parameter and momentum buffer (6 + 6) for outputs
+    assert mesh.stats().aliased_buffers - before >= 12
+    with pytest.raises(pw.PlacementError, match="donated to program 'train_step"):
+        old.torch()                      # its memory now holds the updated parameter
+    assert torch.isfinite(tr.params["0.weight"].torch()).all()

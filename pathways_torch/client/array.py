@@ -32,7 +32,7 @@ class Array:
     """A (possibly not yet computed) sharded tensor on a slice. Create with ``pw.put``."""
 
     __slots__ = ("shape", "dtype", "sharding", "slice", "_id", "_seq", "_conn", "_origin",
-                 "hlo_sharding", "__weakref__")
+                 "hlo_sharding", "_donated", "__weakref__")
 
     def __init__(self, slice_: "runtime.Slice", buffer_id: int, seq: int,
                  shape: Sequence[int], dtype: torch.dtype, sharding: Optional[P],
@@ -48,6 +48,7 @@ class Array:
         self._seq = seq
         self._conn = slice_._conn
         self._origin = origin
+        self._donated = ""          # the program this Array was donated to, if any
         if isinstance(seq, SeqCell):
             graph_mod.current().keep(self)
 
@@ -64,9 +65,16 @@ class Array:
     def _what(self) -> str:
         return f"Array{list(self.shape)} from {self._origin}"
 
+    def _check_usable(self) -> None:
+        runtime.check_alive(self.slice)
+        if self._donated:
+            raise PlacementError(
+                f"{self._what()} was donated to program '{self._donated}', which reused its "
+                "memory for its outputs; read those outputs instead")
+
     def torch(self) -> torch.Tensor:
         """Block until the value exists and return it as a CPU tensor."""
-        runtime.check_alive(self.slice)
+        self._check_usable()
         return self._conn.fetch(self._id, seq_of(self._seq), self._what())
 
     def numpy(self) -> np.ndarray:
@@ -96,7 +104,7 @@ class Array:
         and islands), never through the client; the call returns at once and the move
         starts as soon as this Array's producer finishes.
         """
-        runtime.check_alive(self.slice)
+        self._check_usable()
         runtime.check_alive(slice_)
         spec = as_spec(spec)
         if slice_ is self.slice:
@@ -183,7 +191,7 @@ def wait(arrays: Iterable[Array]) -> None:
     for a in arrays:
         if not isinstance(a, Array):
             raise TypeError(f"pw.wait takes pw.Arrays, got {type(a).__name__}")
-        runtime.check_alive(a.slice)
+        a._check_usable()
         g = groups.setdefault(id(a._conn), {"conn": a._conn, "ids": [], "seq": 0,
                                             "what": a._what()})
         g["ids"].append(a._id)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -56,11 +56,13 @@ class _Compiled:
 class Program:
     """A compiled, sharded function. Create with the ``@pw.program`` decorator."""
 
-    def __init__(self, fn: Callable, out_specs: Any = None, name: Optional[str] = None):
+    def __init__(self, fn: Callable, out_specs: Any = None, name: Optional[str] = None,
+                 donate_argnums: Tuple[int, ...] = ()):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "program")
         self.out_specs = out_specs
+        self.donate_argnums = tuple(donate_argnums)
         self._traces: dict = {}
         self._compiled: dict = {}
         self._lock = threading.Lock()
@@ -69,6 +71,7 @@ class Program:
     def __call__(self, *args, **kwargs):
         state = runtime.get_state()
         leaves, tree = pytree.tree_flatten((args, kwargs))
+        donated_leaves = self._donated_leaves(args)
         slice_ = next((leaf.slice for leaf in leaves if isinstance(leaf, Array)), None)
         if slice_ is None:
             raise PlacementError(
@@ -97,9 +100,15 @@ class Program:
             traced = self._trace(leaves, tree, dyn_pos, avals)
             self._traces[key] = traced
 
-        inputs = []
+        inputs, donate = [], []
         for i in dyn_pos:
             leaf = leaves[i]
+            if isinstance(leaf, Array) and leaf._donated:
+                raise PlacementError(
+                    f"program '{self.name}': an input {leaf!r} was donated to program "
+                    f"'{leaf._donated}' and no longer exists; pass that program's output")
+            if i in donated_leaves and isinstance(leaf, Array):
+                donate.append(len(inputs))
             if isinstance(leaf, torch.Tensor):
                 leaf = put(leaf, slice_, P())        # implicit put, replicated
             elif leaf.slice is not slice_:
@@ -114,13 +123,17 @@ class Program:
 
         out_specs = self._resolve_out_specs(traced, slice_)
         in_specs = tuple(a.sharding for a in inputs)
-        compiled = self._compile(traced, slice_, inputs, in_specs, out_specs)
+        donate = tuple(k for k in donate if inputs[k].slice is slice_ and
+                       sum(a is inputs[k] for a in inputs) == 1)
+        compiled = self._compile(traced, slice_, inputs, in_specs, out_specs, donate)
 
         conn = slice_._conn
         out_ids = [conn.new_id() for _ in traced.out_avals]
         seq = conn.send(pb.Op(execute=pb.ExecuteOp(
             program_id=compiled.program_id, inputs=[a._id for a in inputs],
-            outputs=out_ids)))
+            outputs=out_ids, donate=donate)))
+        for k in donate:
+            inputs[k]._donated = self.name
         origin = f"program '{self.name}'"
         arrays = iter([
             Array(slice_, bid, seq, shape, dtype, spec, origin, hlo)
@@ -169,8 +182,21 @@ class Program:
                           f"output {k} of program '{self.name}'")
         return tuple(specs)
 
-    def _compile(self, traced: Traced, slice_, inputs, in_specs, out_specs) -> _Compiled:
-        key = (traced.fingerprint, slice_.id, in_specs, out_specs)
+    def _donated_leaves(self, args) -> set:
+        """Flat leaf positions (of ``(args, kwargs)``) under the donated arguments."""
+        if not self.donate_argnums:
+            return set()
+        out, at = set(), 0
+        for i, a in enumerate(args):
+            n = len(pytree.tree_flatten(a)[0])
+            if i in self.donate_argnums:
+                out.update(range(at, at + n))
+            at += n
+        return out
+
+    def _compile(self, traced: Traced, slice_, inputs, in_specs, out_specs,
+                 donate=()) -> _Compiled:
+        key = (traced.fingerprint, slice_.id, in_specs, out_specs, donate)
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled
@@ -180,7 +206,7 @@ class Program:
                 return compiled
             program_id = f"{self.name}-{traced.fingerprint[:10]}-{next(_program_ids)}"
             req = pb.CompileRequest(program_id=program_id, name=self.name, hlo=traced.hlo,
-                                    has_out_specs=out_specs is not None)
+                                    has_out_specs=out_specs is not None, donate=donate)
             for src, k in traced.params:
                 req.params.add(**({"input": k} if src == "i" else {"constant": k}))
             for c in traced.constants:
@@ -206,15 +232,19 @@ class Program:
 
 
 def program(fn: Optional[Callable] = None, *, out_specs: Any = None,
-            name: Optional[str] = None):
+            name: Optional[str] = None, donate_argnums: Tuple[int, ...] = ()):
     """Decorate a torch function so that calls run as compiled programs on a slice.
 
     ``out_specs`` fixes the output shardings (one ``P`` for all outputs, or one per
-    output); without it XLA's sharding propagation chooses them.
+    output); without it XLA's sharding propagation chooses them. ``donate_argnums``
+    names positional arguments whose Arrays the call consumes: their device memory may
+    hold the outputs (an in-place update, as JAX's donation), and reading them
+    afterwards raises ``PlacementError``.
     """
     if fn is None:
-        return lambda f: Program(f, out_specs=out_specs, name=name)
-    return Program(fn, out_specs=out_specs, name=name)
+        return lambda f: Program(f, out_specs=out_specs, name=name,
+                                 donate_argnums=donate_argnums)
+    return Program(fn, out_specs=out_specs, name=name, donate_argnums=donate_argnums)
 
 
 _reshards: dict = {}

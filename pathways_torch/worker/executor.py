@@ -58,9 +58,10 @@ def run_executor(req: dict) -> None:
 
 class _Program:
     __slots__ = ("name", "xla_name", "comp", "params", "constants", "out_specs", "out_bytes",
-                 "out_nbytes", "out_shards")
+                 "out_nbytes", "out_shards", "donate")
 
     def __init__(self, name, xla_name, comp, params, constants, out_specs):
+        self.donate = ()
         self.out_bytes = 0
         self.out_nbytes = []
         self.out_shards = []
@@ -98,6 +99,8 @@ class ExecutorService(_make_servicer_base()):
         if self.spmd:
             xr.use_spmd()
         self.device = torch_xla.device()
+        # Inputs marked for donation may be aliased with outputs of the same shape.
+        torch_xla._XLAC._xla_set_enable_alias_with_buffer_donor_config(True)
         n = xr.global_runtime_device_count()
         if n != len(req["devices"]):
             raise RuntimeError(f"runtime shows {n} devices, slice has {len(req['devices'])}")
@@ -148,7 +151,7 @@ class ExecutorService(_make_servicer_base()):
         return tuple(entries[:rank])
 
     def _shard(self, t, spec) -> None:
-        if self.spmd and any(e is not None for e in spec):
+        if self.spmd:
             self.xs.mark_sharding(t, self.mesh, self._padded(spec, t.dim()))
 
     def _spec_of(self, t):
@@ -230,6 +233,10 @@ class ExecutorService(_make_servicer_base()):
         if entry.error is not None:
             yield pb.FetchChunk(has_error=True, error=entry.error)
             return
+        if not self.store.begin_read(entry):
+            yield pb.FetchChunk(has_error=True, error=self._err(
+                "donated", f"buffer {request.buffer_id} was donated to a program"))
+            return
         try:
             cpu = entry.tensor.cpu()
         except Exception as e:  # an asynchronous execution failure surfaces here
@@ -237,6 +244,8 @@ class ExecutorService(_make_servicer_base()):
             yield pb.FetchChunk(has_error=True, error=self._err(
                 "program", f"{what} failed on {self.where}: {e}", entry.origin))
             return
+        finally:
+            self.store.end_read(entry)
         data = codec.to_bytes(cpu)
         meta = pb.TensorMeta(dtype=codec.dtype_name(cpu.dtype), shape=list(cpu.shape))
         for i, part in enumerate(codec.chunks(data)):
@@ -274,7 +283,10 @@ class ExecutorService(_make_servicer_base()):
         return reply
 
     def Stats(self, request, context):
+        import torch_xla.debug.metrics as met
+        alias = met.metric_data("InputOutputAliasCount")
         return self.pb.StatsReply(
+            aliased_buffers=int(alias[1]) if alias else 0,
             num_buffers=len(self.store.entries), buffer_bytes=self.store.bytes,
             device_bytes=self.store.device_bytes,
             num_programs=len(self.programs), num_devices=len(self.mesh.device_ids),
@@ -392,8 +404,14 @@ class ExecutorService(_make_servicer_base()):
             self._resolve(entry)
             if entry.error is not None:
                 error = entry.error.SerializeToString()
+            elif not self.store.begin_read(entry):
+                error = self._err("donated", "the buffer to send was donated to a "
+                                  "program").SerializeToString()
             else:
-                cpu = entry.tensor.cpu().contiguous()
+                try:
+                    cpu = entry.tensor.cpu().contiguous()
+                finally:
+                    self.store.end_read(entry)
                 payload = memoryview(cpu.reshape(-1).view(self.torch.uint8).numpy())
         except Exception as e:
             what = f"program '{entry.origin}'" if entry.origin else "a transfer"
@@ -418,13 +436,21 @@ class ExecutorService(_make_servicer_base()):
         out_specs = ([tuple(spec_from_proto(s)) for s in req.out_specs]
                      if req.has_out_specs else None)
         prog = _Program(req.name, xla_name, comp, params, constants, out_specs)
-        placeholders = []
-        for meta, spec in zip(req.inputs, req.input_specs):
-            t = torch.zeros(tuple(meta.shape), dtype=codec.dtype_from_name(meta.dtype)).to(dev)
-            self._shard(t, spec_from_proto(spec))
-            placeholders.append(t)
+        prog.donate = tuple(req.donate)
+
+        def placeholders():
+            out = []
+            for meta, spec in zip(req.inputs, req.input_specs):
+                t = torch.zeros(tuple(meta.shape),
+                                dtype=codec.dtype_from_name(meta.dtype)).to(dev)
+                self._shard(t, spec_from_proto(spec))
+                out.append(t)
+            # donated like the real inputs, so the cached executable aliases the same way
+            self._mark_donated(out, prog.donate)
+            return out
+
         for attempt in range(2):
-            outs = self._run(prog, placeholders)
+            outs = self._run(prog, placeholders())
             prog.out_nbytes = [codec.nbytes(o.dtype, o.shape) for o in outs]
             prog.out_bytes = sum(prog.out_nbytes)
             if out_specs is None and prog.out_bytes > self.budget:
@@ -469,7 +495,7 @@ class ExecutorService(_make_servicer_base()):
             for b in op.outputs:
                 self.store.put(b, _entry(error=err))
             return
-        inputs = []
+        inputs, entries = [], []
         for b in op.inputs:
             e = self.store.get(b)
             if e is None:
@@ -481,11 +507,22 @@ class ExecutorService(_make_servicer_base()):
             if e.error is not None:
                 err = e.error   # the original failure travels downstream unchanged
                 break
+            if e.donated:
+                err = self._err("donated", f"input buffer {b} of program '{prog.name}' was "
+                                "donated to an earlier program", prog.name)
+                break
             inputs.append(e.tensor)
+            entries.append(e)
         else:
             err = None
         if err is None and prog.out_bytes > self.budget:
             err = self._err("oom", self._oom_text(prog), prog.name)
+        donated = [k for k in op.donate
+                   if k < len(op.inputs) and list(op.inputs).count(op.inputs[k]) == 1]
+        if err is None:
+            for k in donated:
+                self.store.donate(entries[k])
+            self._mark_donated(inputs, donated)
         if err is None:
             try:
                 outs = self._run(prog, inputs)
@@ -506,7 +543,15 @@ class ExecutorService(_make_servicer_base()):
         put = self.store.put
         for b, o, n, k in zip(op.outputs, outs, prog.out_nbytes, prog.out_shards):
             put(b, Entry(o, None, n, prog.name, None, k))
+        for k in donated:           # the donated inputs' memory now holds outputs
+            gone = self._err("donated", f"buffer {op.inputs[k]} was donated to program "
+                             f"'{prog.name}'; read that program's outputs instead", prog.name)
+            put(op.inputs[k], Entry(None, gone, 0, prog.name))
         self.executed += 1
+
+    def _mark_donated(self, tensors, positions) -> None:
+        for k in positions:
+            self.torch_xla._XLAC._set_buffer_donation(tensors[k], True)
 
     def _oom_text(self, prog) -> str:
         return (f"program '{prog.name}' needs {prog.out_bytes / 2**30:.2f} GiB for its "

@@ -7,11 +7,14 @@ from typing import Dict, Optional
 
 
 class Entry:
-    __slots__ = ("tensor", "error", "nbytes", "origin", "pending", "shards")
+    __slots__ = ("tensor", "error", "nbytes", "origin", "pending", "shards", "readers",
+                 "donated")
 
     def __init__(self, tensor=None, error=None, nbytes: int = 0, origin: str = "",
                  pending=None, shards: int = 1) -> None:
         self.shards = shards      # how many pieces each device's share is (1: replicated)
+        self.readers = 0          # fetches and sends copying it off the device right now
+        self.donated = False      # its device buffer now belongs to a program's output
         self.tensor = tensor      # a torch_xla tensor (possibly still being computed)
         self.error = error        # a pb.BufferError when the buffer could not be produced
         self.nbytes = nbytes
@@ -66,6 +69,25 @@ class ObjectStore:
                 self.cond.notify_all()
             elif index > self.processed:
                 self._done_out_of_order.add(index)
+
+    def begin_read(self, entry: Entry) -> bool:
+        """Hold ``entry`` against donation while a reader copies it; False if donated."""
+        with self.cond:
+            if entry.donated:
+                return False
+            entry.readers += 1
+            return True
+
+    def end_read(self, entry: Entry) -> None:
+        with self.cond:
+            entry.readers -= 1
+            self.cond.notify_all()
+
+    def donate(self, entry: Entry) -> None:
+        """Wait until no reader holds ``entry``, then mark it donated."""
+        with self.cond:
+            self.cond.wait_for(lambda: entry.readers == 0)
+            entry.donated = True
 
     def wait_for(self, buffer_id: int, after_seq: int, timeout: float) -> Optional[Entry]:
         """Wait until the buffer exists or the op sequence passed ``after_seq``.
