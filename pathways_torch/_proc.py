@@ -32,4 +32,4 @@ def serve_until_signal(server) -> None:
     signal.signal(signal.SIGINT, handler)
     while not stop.wait(1.0):
         pass
-    server.stop(grace=0.5)
+    server.stop(grace=0.5).wait(5)

@@ -8,6 +8,7 @@ outlives the client even when it is killed.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,7 +50,7 @@ class LocalCluster:
         try:
             self._start(base_env, timeout)
         except BaseException:
-            self.stop()
+            self.stop(keep_logs=True)       # the error message points at the logs
             raise
 
     def _spawn(self, args: List[str], env: dict, log_name: str, **kw) -> subprocess.Popen:
@@ -113,8 +114,11 @@ class LocalCluster:
     def pids(self) -> List[int]:
         return [p.pid for p in self.procs]
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop every process (and their children) that this cluster started."""
+    def stop(self, timeout: float = 10.0, keep_logs: bool = False) -> None:
+        """Stop every process (and their children) that this cluster started.
+
+        The processes' logs are removed unless ``keep_logs`` or ``PATHWAYS_KEEP_LOGS``.
+        """
         procs, self.procs = self.procs, []
         for p in procs:
             _signal_group(p.pid, signal.SIGTERM)
@@ -132,6 +136,8 @@ class LocalCluster:
                 pass
             if p.stdout is not None:
                 p.stdout.close()
+        if not (keep_logs or os.environ.get("PATHWAYS_KEEP_LOGS")):
+            shutil.rmtree(self.logdir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self

@@ -161,6 +161,9 @@ def main(argv=None) -> None:
     # The embedded cluster and pathways-run read this line to learn the port.
     print(f"PATHWAYS_COORDINATOR_PORT={port}", flush=True)
     _proc.serve_until_signal(srv)
+    # Exit now: interpreter shutdown would join gRPC's worker threads, and a session
+    # handler blocked there must not keep the port open.
+    os._exit(0)
 
 
 if __name__ == "__main__":
