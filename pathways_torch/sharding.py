@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence, Tuple, Union
+from typing import Iterable, Sequence, Tuple, Union
 
 from .errors import ShardingError
 

@@ -7,7 +7,6 @@ rounding (rtol 1e-6); sharded contractions sum partial products in another order
 
 import itertools
 
-import pytest
 import torch
 
 import pathways_torch as pw

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import pathways_torch as pw
-from pathways_torch import P
 
 from test_trainer import OPTIMIZERS, assert_losses_match, deep_model, loss_fn, make_data, \
     torch_losses

@@ -13,7 +13,6 @@ import logging
 import os
 import queue
 import re
-import sys
 import threading
 import time
 import traceback
@@ -30,7 +29,6 @@ def run_executor(req: dict) -> None:
     """Entry point of a forked executor process (see agent.Zygote)."""
     from .devices import slice_env
     os.environ.update(slice_env(req["kind"], req["devices"]))
-    import grpc
     from .. import _proc
     from ..rpc import grpc_util
     from ..rpc import pathways_pb2 as pb
