@@ -35,8 +35,7 @@ from .client.array import Array, put
 from .client.graph import graph
 from .client.program import Program
 from .errors import PathwaysError, ShardingError
-from .parallel.strategies import (DataParallel, MultiIsland, Pipeline, TensorParallel,
-                                  mesh_sizes)
+from .parallel.strategies import DataParallel, MultiIsland, Pipeline, mesh_sizes
 from .sharding import P, validate_spec
 
 
@@ -160,11 +159,7 @@ class Trainer:
         if isinstance(self.parallelism, MultiIsland):
             return self._multi_island_step(inputs, targets, sc, hyper)
         s = self.slices[0]
-        axis = None
-        if isinstance(self.parallelism, TensorParallel):
-            axis = self.parallelism.batch_axis
-        elif isinstance(self.parallelism, DataParallel):
-            axis = self.parallelism.axis
+        axis = getattr(self.parallelism, "batch_axis", None)
         prog = self._program("train_step", _make_step_fn(self.model, self.loss_fn,
                                                          self._group_of), donate=(0, 2))
         new_params, new_state, loss = prog(

@@ -29,8 +29,10 @@ class DataParallel:
     def param_spec(self, name: str, shape: Sequence[int], mesh: Dict[str, int]) -> P:
         return P()
 
-    def batch_spec(self, shape: Sequence[int], mesh: Dict[str, int]) -> P:
-        return P(self.axis) if shape else P()
+    @property
+    def batch_axis(self) -> str:
+        """The mesh axis that dimension 0 of every batch tensor is split over."""
+        return self.axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +57,6 @@ class TensorParallel:
 
     def param_spec(self, name: str, shape: Sequence[int], mesh: Dict[str, int]) -> P:
         return self.param_specs.get(name, P())
-
-    def batch_spec(self, shape: Sequence[int], mesh: Dict[str, int]) -> P:
-        return P(self.batch_axis) if (self.batch_axis and shape) else P()
 
 
 def mesh_sizes(slice_) -> Dict[str, int]:

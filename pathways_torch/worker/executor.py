@@ -393,7 +393,7 @@ class ExecutorService(_make_servicer_base()):
         entry = self.store.get(op.buffer_id)
         if entry is None:
             err = self._err("unknown_buffer", f"buffer {op.buffer_id} to send does not exist")
-            entry = _entry(error=err)
+            entry = Entry(error=err)
         self.dataplane.send_async(self._send_now, entry, op)
 
     def _send_now(self, entry, op) -> None:
@@ -491,7 +491,7 @@ class ExecutorService(_make_servicer_base()):
         if prog is None:
             err = self._err("program", f"unknown program id {op.program_id!r}")
             for b in op.outputs:
-                self.store.put(b, _entry(error=err))
+                self.store.put(b, Entry(error=err))
             return
         inputs, entries = [], []
         for b in op.inputs:
@@ -536,7 +536,7 @@ class ExecutorService(_make_servicer_base()):
                                 f"{type(e).__name__}: {e}", prog.name)
         if err is not None:
             for b in op.outputs:
-                self.store.put(b, _entry(error=err))
+                self.store.put(b, Entry(error=err))
             return
         put = self.store.put
         for b, o, n, k in zip(op.outputs, outs, prog.out_nbytes, prog.out_shards):
@@ -578,13 +578,8 @@ class ExecutorService(_make_servicer_base()):
             self._shard(t, p)
             entry = Entry(t, None, len(data), "", None, self._shards(p))
         except Exception as e:
-            entry = _entry(error=self._err("input", f"put of buffer {op.buffer_id} failed: {e}"))
+            entry = Entry(error=self._err("input", f"put of buffer {op.buffer_id} failed: {e}"))
         self.store.put(op.buffer_id, entry)
-
-
-def _entry(tensor=None, error=None, nbytes: int = 0, origin: str = "", pending=None):
-    from .store import Entry
-    return Entry(tensor, error, nbytes, origin, pending)
 
 
 def _memory_budget() -> int:
