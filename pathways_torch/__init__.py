@@ -26,7 +26,7 @@ Example::
 
 import importlib as _importlib
 
-from .errors import (ClusterShutdownError, DataDependentError, NotInitializedError,
+from .errors import (CheckpointError, ClusterShutdownError, DataDependentError, NotInitializedError,
                      OutOfMemoryError, PathwaysError, PlacementError, ProgramError,
                      ResourceExhaustedError, ShapeError, ShardingError, TimeoutError,
                      TraceError, WorkerLostError)
@@ -57,7 +57,7 @@ __all__ = [
     "MultiIsland",
     "PathwaysError", "NotInitializedError", "ClusterShutdownError", "ResourceExhaustedError",
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",
-    "ProgramError", "WorkerLostError", "TimeoutError", "OutOfMemoryError",
+    "ProgramError", "WorkerLostError", "TimeoutError", "OutOfMemoryError", "CheckpointError",
 ]
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "WorkerLostError",
     "TimeoutError",
     "OutOfMemoryError",
+    "CheckpointError",
 ]
 
 
@@ -88,3 +89,7 @@ class TimeoutError(PathwaysError, builtins.TimeoutError):
 
 class OutOfMemoryError(ProgramError, MemoryError):
     """A program's outputs (or a put) do not fit in a worker's buffer budget."""
+
+
+class CheckpointError(PathwaysError, OSError):
+    """A checkpoint could not be written or read (the message says where and why)."""

@@ -24,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -32,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from . import optim as fopt
 from .client.array import Array, put
+from .client.checkpoint import load_arrays, save_arrays
 from .client.graph import graph
 from .client.program import Program
 from .errors import PathwaysError, ShardingError
@@ -284,28 +284,50 @@ class Trainer:
         return model
 
     def save(self, path: str) -> None:
-        """Write the state in the torch.distributed.checkpoint format (a directory)."""
-        import torch.distributed.checkpoint as dcp
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(self.state_dict(), checkpoint_id=path)
+        """Write the state in the torch.distributed.checkpoint format (a directory).
+
+        Each slice's executor writes the parameters and optimizer state it holds; only
+        the metadata passes through the client. Plain PyTorch reads the result::
+
+            trainer.save("ckpt")
+            sd = {"model": {n: torch.empty_like(p) for n, p in model.state_dict().items()},
+                  "optim": {...}, "steps": torch.tensor(0)}
+            torch.distributed.checkpoint.load(sd, checkpoint_id="ckpt")
+        """
+        arrays = {f"model.{n}": a for n, a in {**self.replicas[0], **self.fixed[0]}.items()}
+        for n, st in self.states[0].items():
+            arrays.update({f"optim.{n}.{k}": a for k, a in st.items()})
+        home = self._homes[0]
+        first = next(iter(self.replicas[0]))
+        arrays["steps"] = put(torch.tensor(self.steps), home(first), P())
+        save_arrays(path, arrays)
 
     def load(self, path: str) -> None:
-        """Read a checkpoint written by ``save`` (or by torch.distributed.checkpoint)."""
-        import torch.distributed.checkpoint as dcp
-
-        def empty(a):
-            return torch.empty(a.shape, dtype=a.dtype)
-
-        sd = {"model": {**{n: empty(a) for n, a in self.replicas[0].items()},
-                        **{n: empty(a) for n, a in self.fixed[0].items()}},
-              "optim": {n: {k: empty(a) for k, a in st.items()}
-                        for n, st in self.states[0].items()},
-              "steps": torch.tensor(0)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(sd, checkpoint_id=path)
-        self.load_state_dict(sd)
+        """Read a checkpoint written by ``save`` (or by torch.distributed.checkpoint with
+        the same keys); the executors read their parts from the files directly."""
+        for r, home_of in enumerate(self._homes):
+            wanted = {}
+            for n, a in self.replicas[r].items():
+                wanted[f"model.{n}"] = (home_of(n), a.shape, a.dtype, self.param_specs[n])
+            for n, a in self.fixed[r].items():
+                wanted[f"model.{n}"] = (home_of(n), a.shape, a.dtype, P())
+            for n, st in self.states[r].items():
+                for k, a in st.items():
+                    wanted[f"optim.{n}.{k}"] = (home_of(n), a.shape, a.dtype,
+                                                self.param_specs[n])
+            if r == 0:
+                first = next(iter(self.replicas[0]))
+                wanted["steps"] = (home_of(first), torch.Size([]), torch.int64, P())
+            got = load_arrays(path, wanted)
+            for n in self.replicas[r]:
+                self.replicas[r][n] = got[f"model.{n}"]
+            for n in self.fixed[r]:
+                self.fixed[r][n] = got[f"model.{n}"]
+            for n, st in self.states[r].items():
+                for k in st:
+                    st[k] = got[f"optim.{n}.{k}"]
+            if r == 0:
+                self.steps = int(got["steps"].torch())
 
 
 # ---------------------------------------------------------------------- helpers

@@ -203,6 +203,56 @@ def test_pipeline_losses_equal_plain_torch(cluster8, stages, microbatches):
             s.release()
 
 
+def test_pipeline_checkpoint_is_written_by_each_stage_slice(cluster8, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    slices = [pw.slice((1,)) for _ in range(2)]
+    try:
+        data = make_data(8, batch=8, seed=6)
+        make_opt = OPTIMIZERS["sgd_momentum"]
+        model = deep_model()
+        tr = pw.Trainer(model, make_opt(model.parameters()), loss_fn,
+                        parallelism=pw.Pipeline(2, 2, slices))
+        for x, y in data[:4]:
+            tr.step(x, y)
+        path = tmp_path / "pipe"
+        tr.save(str(path))
+        after = [float(tr.step(x, y)) for x, y in data[4:]]
+        # one part per stage slice, each written by that slice's executor
+        parts = sorted(p.name for p in path.iterdir() if p.is_dir())
+        assert parts == ["part-0", "part-1"]
+        assert all(any(f.suffix == ".distcp" for f in (path / p).iterdir()) for p in parts)
+
+        fresh = deep_model()
+        torch.manual_seed(123)
+        for p in fresh.parameters():
+            p.data.normal_()
+        tr2 = pw.Trainer(fresh, make_opt(fresh.parameters()), loss_fn,
+                         parallelism=pw.Pipeline(2, 2, slices))
+        tr2.load(str(path))
+        assert tr2.steps == 4
+        assert [float(tr2.step(x, y)) for x, y in data[4:]] == after
+
+        ref = deep_model()
+        torch_losses(ref, make_opt, data[:4])
+        template = {"model": {n: torch.empty_like(p) for n, p in ref.state_dict().items()}}
+        dcp.load(template, checkpoint_id=str(path))       # plain torch reads both parts
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(template["model"][n], p.detach(), rtol=1e-4,
+                                       atol=1e-5, msg=n)
+
+        other = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4),
+                                    torch.nn.Linear(4, 4))
+        tr3 = pw.Trainer(other, make_opt(other.parameters()), loss_fn,
+                         parallelism=pw.Pipeline(2, 2, slices))
+        with pytest.raises(pw.CheckpointError, match="another model"):
+            tr3.load(str(path))
+        with pytest.raises(pw.CheckpointError, match="not a checkpoint"):
+            tr3.load(str(tmp_path / "nothing-here"))
+    finally:
+        for s in slices:
+            s.release()
+
+
 def test_pipeline_needs_a_sequential_and_enough_slices(cluster8):
     s = pw.slice((1,))
     try:

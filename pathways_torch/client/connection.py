@@ -17,8 +17,8 @@ from typing import Iterable, List, Optional
 
 import grpc
 
-from ..errors import (ClusterShutdownError, OutOfMemoryError, ProgramError, TimeoutError,
-                      WorkerLostError)
+from ..errors import (CheckpointError, ClusterShutdownError, OutOfMemoryError, ProgramError,
+                      TimeoutError, WorkerLostError)
 from ..rpc import codec, grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
@@ -35,6 +35,8 @@ def raise_buffer_error(err, what: str) -> None:
         raise TimeoutError(f"{what}: {err.message}")
     if err.kind == "lost":
         raise WorkerLostError(f"{what}: {err.message}")
+    if err.kind == "io":
+        raise CheckpointError(f"{what}: {err.message}")
     prog = f" (program '{err.program}' on {err.host})" if err.program else ""
     if err.kind == "oom":
         raise OutOfMemoryError(f"{what}{prog}: {err.message}", program=err.program,

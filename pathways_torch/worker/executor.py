@@ -16,6 +16,7 @@ import re
 import threading
 import time
 import traceback
+import warnings
 from concurrent.futures import Future
 
 from ..rpc import codec
@@ -345,6 +346,10 @@ class ExecutorService(_make_servicer_base()):
             self._send(op.send)
         elif which == "barrier":
             self._events.put(self.pb.DispatchEvent(barrier=op.barrier.token))
+        elif which == "save":
+            self._save(op.save)
+        elif which == "load":
+            self._load(op.load)
 
     # ------------------------------------------------------------------ transfers
     def _resolve(self, entry) -> None:
@@ -580,6 +585,69 @@ class ExecutorService(_make_servicer_base()):
         except Exception as e:
             entry = Entry(error=self._err("input", f"put of buffer {op.buffer_id} failed: {e}"))
         self.store.put(op.buffer_id, entry)
+
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, op) -> None:
+        """Write buffers into a torch.distributed.checkpoint directory (one per executor;
+        the client merges the metadata of all executors into the checkpoint's)."""
+        import torch.distributed.checkpoint as dcp
+        flat, err = {}, None
+        for key, b in zip(op.keys, op.buffer_ids):
+            e = self.store.get(b)
+            if e is None:
+                err = self._err("unknown_buffer", f"buffer {b} to save as '{key}' does "
+                                "not exist (released or never created)")
+                break
+            self._resolve(e)
+            if e.error is not None:
+                err = e.error
+                break
+            if not self.store.begin_read(e):
+                err = self._err("donated", f"buffer {b} to save as '{key}' was donated")
+                break
+            try:
+                flat[key] = e.tensor.cpu()
+            except Exception as ex:
+                err = self._err("program", f"computing '{key}' failed on {self.where}: {ex}",
+                                e.origin)
+                break
+            finally:
+                self.store.end_read(e)
+        if err is None:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")     # "no process group": by design
+                    dcp.save(flat, checkpoint_id=op.path, no_dist=True)
+                nbytes = sum(t.numel() * t.element_size() for t in flat.values())
+                self.store.put(op.status_id, Entry(self.torch.tensor([nbytes]), None, 8))
+                return
+            except Exception as ex:
+                err = self._err("io", f"writing checkpoint {op.path} on {self.where} "
+                                f"failed: {type(ex).__name__}: {ex}")
+        self.store.put(op.status_id, Entry(error=err))
+
+    def _load(self, op) -> None:
+        """Read keys of a torch.distributed.checkpoint directory into new buffers."""
+        import torch.distributed.checkpoint as dcp
+        torch = self.torch
+        try:
+            flat = {k: torch.empty(tuple(m.shape), dtype=codec.dtype_from_name(m.dtype))
+                    for k, m in zip(op.keys, op.metas)}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(flat, checkpoint_id=op.path, no_dist=True)
+            for k, b, spec in zip(op.keys, op.buffer_ids, op.specs):
+                t = flat[k].to(self.device)
+                p = spec_from_proto(spec)
+                self._shard(t, p)
+                self.store.put(b, Entry(t, None, codec.nbytes(t.dtype, t.shape), "", None,
+                                        self._shards(p)))
+        except Exception as ex:
+            err = self._err("io", f"reading checkpoint {op.path} on {self.where} failed: "
+                            f"{type(ex).__name__}: {ex}")
+            for b in op.buffer_ids:
+                self.store.put(b, Entry(error=err))
 
 
 def _memory_budget() -> int:
