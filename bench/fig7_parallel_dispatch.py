@@ -8,10 +8,14 @@ are submitted back to back and timed until the last result exists:
   waits for its inputs (the paper's parallel asynchronous dispatch).
 - ``sequential``: the client waits until a stage's inputs exist before dispatching it
   (``pw.dispatch_mode("sequential")``), so host-side work sits on the critical path.
+- ``ray``: the same chains over --hosts Ray actors (stage i on actor i, each
+  ``.remote()`` taking the previous stage's ObjectRef, so Ray too dispatches ahead),
+  numpy 8x8 instead of XLA (only if Ray is installed: ``make bench`` installs it; run
+  before the cluster starts, so the two never share the CPUs).
 
 Prints one JSON object: computations per second (median of --runs) per K and mode, and
-the parallel/sequential ratio.
-    python bench/fig7_parallel_dispatch.py [--hosts 16] [--chains 20] [--runs 3]
+the parallel/sequential and parallel/Ray ratios.
+    python bench/fig7_parallel_dispatch.py [--hosts 16] [--chains 20] [--runs 3] [--no-ray]
 """
 
 from __future__ import annotations
@@ -49,14 +53,54 @@ def run_chains(slices, k: int, chains: int, mode: str) -> float:
     return k * chains / dt
 
 
+def ray_chains(hosts: int, ks, chains: int, runs: int):
+    """Computations per second per K over Ray actors, or None when Ray is missing."""
+    try:
+        import numpy as np
+        import ray
+    except ImportError:
+        return None
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        @ray.remote(num_cpus=0)
+        class Stage:
+            def step(self, x):
+                return x + 1
+
+        actors = [Stage.remote() for _ in range(hosts)]
+        x0 = np.zeros((8, 8), np.float32)
+        ray.get([a.step.remote(x0) for a in actors])           # start every actor
+        rates = {}
+        for k in ks:
+            rs = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                outs = []
+                for _ in range(chains):
+                    h = actors[0].step.remote(x0)
+                    for i in range(1, k):
+                        h = actors[i % hosts].step.remote(h)
+                    outs.append(h)
+                last = ray.get(outs)[-1]
+                rs.append(k * chains / (time.perf_counter() - t0))
+                assert float(last[0, 0]) == k
+            rates[k] = median(rs)
+        return rates
+    finally:
+        ray.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hosts", type=int, default=16)
     ap.add_argument("--stages", default="1,2,4,8,16")
     ap.add_argument("--chains", type=int, default=20)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-ray", action="store_true")
     args = ap.parse_args()
     ks = [int(k) for k in args.stages.split(",")]
+    ray_rates = None if args.no_ray else ray_chains(args.hosts, ks, args.chains, args.runs)
     t0 = time.perf_counter()
     pw.init(islands=1, hosts_per_island=args.hosts, devices_per_host=1)
     startup = time.perf_counter() - t0
@@ -74,6 +118,9 @@ def main() -> None:
             rows[k] = {"parallel_per_s": round(median(par), 1),
                        "sequential_per_s": round(median(seq), 1),
                        "ratio": round(median(par) / median(seq), 2)}
+            if ray_rates:
+                rows[k]["ray_per_s"] = round(ray_rates[k], 1)
+                rows[k]["parallel_over_ray"] = round(median(par) / ray_rates[k], 2)
     finally:
         pw.shutdown()
     emit({"benchmark": "fig7_parallel_dispatch", "hosts": args.hosts, "chains": args.chains,

@@ -1,51 +1,119 @@
-"""Run every benchmark under bench/ and collect their JSON lines into bench/results.json.
+"""Run every benchmark under bench/, collect their JSON lines into bench/results.json,
+and regenerate docs/evaluation.md (bench/report.py).
 
-    python bench/run_all.py [--quick]
+    python bench/run_all.py [--quick] [--only fig6_computation_size.py,...] [--no-report]
 
-Each benchmark runs in its own process (one cluster each); its last JSON line is kept.
---quick passes smaller sizes, for a smoke run.
+Each benchmark runs in its own process (one cluster each); its last JSON line is kept,
+with its wall time. A benchmark that fails or runs past --timeout is recorded with its
+error and the others still run. --quick passes smaller sizes, for a smoke run. The full
+run takes about 12-15 minutes on the 2-core development machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
+import os
 import pathlib
+import platform
 import subprocess
 import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results.json"
 
+# (script, full-run args, --quick args). The full-run args are sized so that the whole
+# run stays well under 20 minutes on 2 cores.
 BENCHES = [
-    ("dispatch.py", [], ["--runs", "2", "--steps", "200"]),
-    ("runtime.py", [], ["--runs", "1", "--mib", "16"]),
-    ("fig5_dispatch_overhead.py", [], ["--runs", "2", "--steps", "256", "--no-ray"]),
-    ("fig7_parallel_dispatch.py", [], ["--hosts", "4", "--stages", "1,2,4",
-                                       "--chains", "5", "--runs", "1"]),
-    ("dcn.py", [], ["--runs", "2", "--mib", "16"]),
-    ("train.py", [], ["--runs", "1", "--steps", "5"]),
+    ("dispatch.py", ["--runs", "5", "--steps", "1000"], ["--runs", "2", "--steps", "200"]),
+    ("runtime.py", ["--runs", "3", "--mib", "64"], ["--runs", "1", "--mib", "16"]),
+    ("fig5_dispatch_overhead.py", ["--runs", "5", "--steps", "1024"],
+     ["--runs", "2", "--steps", "256", "--no-ray"]),
+    ("fig6_computation_size.py", ["--runs", "5"],
+     ["--runs", "1", "--sizes", "16,128,512", "--target-s", "0.1"]),
+    ("fig7_parallel_dispatch.py", ["--hosts", "16", "--chains", "20", "--runs", "3"],
+     ["--hosts", "4", "--stages", "1,2,4", "--chains", "5", "--runs", "1",
+      "--no-ray"]),
+    ("dcn.py", ["--runs", "5", "--mib", "64"], ["--runs", "2", "--mib", "16"]),
+    ("train.py", ["--runs", "3", "--steps", "10"], ["--runs", "1", "--steps", "5"]),
 ]
+
+# Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.
+OPTIONAL = [
+    ("fig9_shares.py", [], []),
+]
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
+            "torch": version("torch"), "torch_xla": version("torch_xla"),
+            "ray": version("ray")}
+
+
+def run_one(script: str, argv: list, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(HERE / script)] + argv,
+                              capture_output=True, text=True, cwd=HERE, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        res = {"error": f"timed out after {timeout:.0f} s\n" + (err or "")[-2000:],
+               "returncode": None}
+    else:
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            res = {"error": proc.stderr[-2000:], "returncode": proc.returncode}
+        else:
+            res = json.loads(lines[-1])
+    res["args"] = argv
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated scripts to run")
+    ap.add_argument("--timeout", type=float, default=420,
+                    help="seconds one benchmark may run before it is recorded as failed")
+    ap.add_argument("--no-report", action="store_true")
     args = ap.parse_args()
-    results = {}
-    for script, full, quick in BENCHES:
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(HERE / script)] + (quick if args.quick
-                                                                        else full),
-                              capture_output=True, text=True, cwd=HERE)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            results[script] = {"error": proc.stderr[-2000:], "returncode": proc.returncode}
-        else:
-            results[script] = json.loads(lines[-1])
-        results[script]["wall_s"] = round(time.perf_counter() - t0, 1)
+    only = {s for s in args.only.split(",") if s}
+    todo = [b for b in BENCHES + [o for o in OPTIONAL if (HERE / o[0]).exists()]
+            if not only or b[0] in only]
+    t_start = time.perf_counter()
+    meta = dict(machine(), date=datetime.datetime.now().astimezone().isoformat(
+        timespec="seconds"), mode="quick" if args.quick else "full")
+    results = {"_meta": meta}
+    if only and RESULTS.exists():                  # a partial run updates the last results
+        results = json.loads(RESULTS.read_text())
+        meta = results.setdefault("_meta", meta)
+    for script, full, quick in todo:
+        results[script] = run_one(script, quick if args.quick else full, args.timeout)
         print(script, json.dumps(results[script]), flush=True)
-    (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        if not only:
+            meta["total_wall_s"] = round(time.perf_counter() - t_start, 1)
+        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    if not args.no_report:
+        subprocess.run([sys.executable, str(HERE / "report.py"), str(RESULTS)], check=True)
 
 
 if __name__ == "__main__":
