@@ -203,7 +203,7 @@ class Trainer:
                    if n.split(".", 1)[0] in names} for _, names in stages]
         fixed = [{n: t for n, t in self.fixed[0].items() if n.split(".", 1)[0] in names}
                  for _, names in stages]
-        fwd = [self._program(f"stage{k}_fwd", _make_stage_fwd(mod))
+        fwd = [self._program(f"stage{k}_fwd", _make_stage_fwd(mod, k == 0))
                for k, (mod, _) in enumerate(stages)]
         bwd = [self._program(f"stage{k}_bwd", _make_stage_bwd(mod, k == 0))
                for k, (mod, _) in enumerate(stages[:-1])]
@@ -214,13 +214,14 @@ class Trainer:
         with graph():
             # GPipe: all forwards, microbatch by microbatch through the stages ...
             acts = [[None] * (len(stages)) for _ in range(m)]      # stage inputs
+            saved = [[None] * (len(stages)) for _ in range(m)]     # what backward needs
             for j in range(m):
                 h = self._batch(xs[j], slices[0], None)
                 for k in range(len(stages)):
                     h = h if k == 0 else h.to(slices[k])
                     acts[j][k] = h
                     if k < last:
-                        h = fwd[k](params[k], fixed[k], h)
+                        h, saved[j][k] = fwd[k](params[k], fixed[k], h)
             # ... then all backwards, in reverse, accumulating gradients per stage.
             acc: List[Optional[dict]] = [None] * len(stages)
             losses = []
@@ -231,8 +232,9 @@ class Trainer:
                 losses.append(loss)
                 for k in reversed(range(last)):
                     gy = gx.to(slices[k])
-                    gx, acc[k] = bwd[k](params[k], fixed[k], acts[j][k], gy,
+                    gx, acc[k] = bwd[k](params[k], fixed[k], acts[j][k], saved[j][k], gy,
                                         acc[k] if acc[k] is not None else {})
+                    saved[j][k] = None
             new_params, new_states = {}, {}
             for k in range(len(stages)):
                 st = {n: self.states[0][n] for n in params[k]}
@@ -439,9 +441,64 @@ def _make_apply_fn(group_of, flat_shapes: Optional[Dict[str, tuple]] = None):
     return apply
 
 
-def _make_stage_fwd(mod):
+class _Stash:
+    """Saved-tensor hooks that let a stage's backward reuse its forward's activations.
+
+    The forward program runs under ``record`` and returns every tensor autograd saves.
+    The backward program traces the same forward under ``replay``, which hands autograd
+    those tensors (program inputs) instead of the recomputed ones; the recomputation then
+    feeds nothing and XLA drops it, so no stage computes its forward twice (GPipe without
+    rematerialisation: activations are kept on the stage's slice until its backward).
+    Saved tensors that are the program's own inputs are referred to, not copied.
+
+    What autograd saves depends on the backend (the client's meta-tensor shape check saves
+    differently from XLA), so the replay uses the stash only if the two sequences agree
+    in shape and dtype, and otherwise the recomputed tensors: slower, never wrong.
+    """
+
+    def __init__(self, x, params: Dict[str, torch.Tensor], saved=None) -> None:
+        self.inputs = {id(x): x, **{id(t): t for t in params.values()}}
+        self.keys: Dict[int, int] = {}
+        self.recorded: list = []     # tensors autograd saved in this trace, in order
+        self.saved = saved
+        self._use_saved: Optional[bool] = None
+
+    def pack(self, t):
+        hit = self.inputs.get(id(t))
+        if hit is not None:
+            return hit
+        k = self.keys.get(id(t))
+        if k is None:
+            k = self.keys[id(t)] = len(self.recorded)
+            self.recorded.append(t)         # also keeps ids unique while tracing
+        return k
+
+    def unpack(self, k):
+        if isinstance(k, torch.Tensor):
+            return k
+        if self.saved is None:
+            return self.recorded[k]
+        if self._use_saved is None:
+            self._use_saved = len(self.saved) == len(self.recorded) and all(
+                a.shape == b.shape and a.dtype == b.dtype
+                for a, b in zip(self.saved, self.recorded))
+        return self.saved[k] if self._use_saved else self.recorded[k]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _make_stage_fwd(mod, first: bool):
+    """A stage's forward; also returns the tensors its backward needs (see _Stash)."""
     def stage_fwd(params, fixed, x):
-        return _stage_call(mod, params, fixed, x)
+        for t in params.values():
+            t.requires_grad_()
+        if not first:
+            x = x.requires_grad_()
+        stash = _Stash(x, params)
+        with stash.hooks():
+            y = _stage_call(mod, params, fixed, x)
+        return y.detach(), [t.detach() for t in stash.recorded]
     return stage_fwd
 
 
@@ -450,13 +507,15 @@ def _accumulate(acc, names, grads):
 
 
 def _make_stage_bwd(mod, first: bool):
-    """Recompute the stage's forward, then backpropagate ``gy``; accumulate grads."""
-    def stage_bwd(params, fixed, x, gy, acc):
+    """Backpropagate ``gy`` through the stage with the forward's saved tensors;
+    accumulate the parameters' gradients."""
+    def stage_bwd(params, fixed, x, saved, gy, acc):
         names = list(params)
         leaves = [params[n].requires_grad_() for n in names]
         if not first:
             x = x.requires_grad_()
-        y = _stage_call(mod, params, fixed, x)
+        with _Stash(x, params, saved).hooks():
+            y = _stage_call(mod, params, fixed, x)
         wrt = leaves if first else [x] + leaves
         grads = torch.autograd.grad(y, wrt, grad_outputs=gy)
         gx = torch.zeros((), dtype=y.dtype) if first else grads[0]

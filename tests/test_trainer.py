@@ -253,6 +253,34 @@ def test_pipeline_checkpoint_is_written_by_each_stage_slice(cluster8, tmp_path):
             s.release()
 
 
+def test_pipeline_backward_reuses_the_forward_activations(cluster8, monkeypatch):
+    """Stage backwards take the activations autograd saved in the forward program instead
+    of recomputing the forward (the stash is used in the XLA trace), same losses."""
+    from pathways_torch import trainer as T
+    used = []
+    orig = T._Stash.unpack
+
+    def spy(self, k):
+        out = orig(self, k)
+        if self.saved is not None and self._use_saved is not None:
+            used.append(self._use_saved)
+        return out
+    monkeypatch.setattr(T._Stash, "unpack", spy)
+    slices = [pw.slice((1,)) for _ in range(2)]
+    try:
+        model, data = deep_model(), make_data(3, batch=8, seed=7)
+        ref = copy.deepcopy(model)
+        make_opt = OPTIMIZERS["adamw"]
+        tr = pw.Trainer(model, make_opt(model.parameters()), loss_fn,
+                        parallelism=pw.Pipeline(2, 2, slices))
+        assert_losses_match([float(tr.step(x, y)) for x, y in data],
+                            torch_losses(ref, make_opt, data))
+        assert True in used          # the XLA trace of stage0_bwd replayed the stash
+    finally:
+        for s in slices:
+            s.release()
+
+
 def test_pipeline_needs_a_sequential_and_enough_slices(cluster8):
     s = pw.slice((1,))
     try:
