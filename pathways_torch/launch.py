@@ -1,13 +1,32 @@
-"""``pathways-run``: run a client script against a cluster, torchrun-style.
+"""``pathways-run``: start a Pathways cluster and run a client script, torchrun-style.
 
-Local mode (this version): start an embedded cluster (a coordinator and one worker
-process per host), run the script as the client with ``PATHWAYS_ADDRESS`` set, so its
-``pw.init()`` connects instead of starting its own, and stop everything when the script
-ends, fails, or the launcher gets Ctrl-C / SIGTERM. The exit code is the script's.
+Four modes:
+
+- **local** (default): start an embedded cluster (a coordinator and one worker process
+  per host) on this machine, run the script as the client with ``PATHWAYS_ADDRESS`` set
+  (so its ``pw.init()`` connects instead of starting its own cluster), and stop
+  everything when the script ends, fails, or the launcher gets Ctrl-C / SIGTERM. The
+  exit code is the script's.
+- ``--coordinator``: run the coordinator of a multi-machine cluster in the foreground.
+- ``--worker --coordinator-address HOST:PORT --island I``: run one host's worker agent.
+  It retries until the coordinator is up and registers again after it restarts.
+- ``--address HOST:PORT script.py``: run the script as a client of a running cluster.
+
+torchrun's names work where they mean the same thing: ``--nnodes`` for hosts per
+island, ``--node-rank`` / ``NODE_RANK`` for a worker's host index, ``--master-addr`` /
+``--master-port`` (``MASTER_ADDR`` / ``MASTER_PORT``) for the coordinator's address,
+``-m`` to run a module, ``--standalone`` for the local mode.
+
+A cluster that listens beyond loopback needs a shared token: ``--token`` or
+``PATHWAYS_TOKEN``, the same on every node and client.
 
 Example::
 
-    pathways-run --islands 1 --hosts-per-island 1 --devices-per-host 8 recipes/quickstart.py
+    pathways-run --devices-per-host 8 recipes/quickstart.py           # one machine
+    PATHWAYS_TOKEN=s3cret pathways-run --coordinator --host 0.0.0.0 --port 7000
+    PATHWAYS_TOKEN=s3cret pathways-run --worker --coordinator-address node0:7000 \\
+        --island 0 --node-rank 1 --bind-host 0.0.0.0
+    PATHWAYS_TOKEN=s3cret pathways-run --address node0:7000 recipes/train_gpt.py
 """
 
 from __future__ import annotations
@@ -19,36 +38,107 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from .client.cluster import LocalCluster
-from .client.runtime import ADDRESS_ENV
+from .rpc import grpc_util
+
+ADDRESS_ENV = "PATHWAYS_ADDRESS"
 
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+def _master_address() -> str:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{addr}:{port}" if addr and port else ""
+
+
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="pathways-run",
-        description="Start a local Pathways cluster and run SCRIPT as its client.")
+        description="Start a Pathways cluster (or a part of one) and run SCRIPT as its "
+        "client.")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--standalone", action="store_true",
+                      help="local mode (the default): a whole cluster on this machine")
+    mode.add_argument("--coordinator", action="store_true",
+                      help="run the coordinator of a multi-machine cluster")
+    mode.add_argument("--worker", action="store_true",
+                      help="run this host's worker agent (needs --coordinator-address)")
+    ap.add_argument("--address", default=os.environ.get(ADDRESS_ENV, ""),
+                    help="run SCRIPT as a client of the cluster at HOST:PORT")
+    ap.add_argument("--token", default=None,
+                    help=f"the cluster's shared token (default: {grpc_util.TOKEN_ENV})")
     ap.add_argument("--islands", type=int, default=_env_int("PATHWAYS_ISLANDS", 1))
-    ap.add_argument("--hosts-per-island", "--hosts_per_island", type=int,
-                    default=_env_int("PATHWAYS_HOSTS_PER_ISLAND", 1))
+    ap.add_argument("--hosts-per-island", "--hosts_per_island", "--nnodes", type=int,
+                    dest="hosts_per_island", default=_env_int("PATHWAYS_HOSTS_PER_ISLAND", 1))
     ap.add_argument("--devices-per-host", "--devices_per_host", type=int,
                     default=_env_int("PATHWAYS_DEVICES_PER_HOST",
                                      _env_int("CPU_NUM_DEVICES", 8)))
+    # coordinator
+    ap.add_argument("--host", default="127.0.0.1", help="coordinator: address to bind")
+    ap.add_argument("--port", "--master-port", "--master_port", type=int, dest="port",
+                    default=_env_int("MASTER_PORT", 0),
+                    help="coordinator: port to bind (0: any free port, printed)")
+    ap.add_argument("--devices-shared-by", type=int, default=1,
+                    help="coordinator / local: slices that may share one device (>1 turns "
+                    "on proportional shares between clients)")
+    # worker
+    ap.add_argument("--coordinator-address", "--master-addr", "--master_addr",
+                    dest="coordinator_address",
+                    default=os.environ.get("PATHWAYS_COORDINATOR_ADDRESS",
+                                           _master_address()),
+                    help="worker: the coordinator's HOST:PORT")
+    ap.add_argument("--island", type=int, default=0, help="worker: its island")
+    ap.add_argument("--node-rank", "--node_rank", type=int, dest="node_rank",
+                    default=_env_int("NODE_RANK", 0), help="worker: host index in its island")
+    ap.add_argument("--bind-host", default="127.0.0.1",
+                    help="worker: address it and its executors listen on")
+    ap.add_argument("--register-timeout", type=float, default=0.0,
+                    help="worker: give up if the coordinator is not up in this many "
+                    "seconds (0: retry forever)")
     ap.add_argument("-m", "--module", action="store_true",
                     help="run SCRIPT as a module (python -m), as torchrun's -m")
-    ap.add_argument("script", help="the client script (or module with -m)")
+    ap.add_argument("script", nargs="?", help="the client script (or module with -m)")
     ap.add_argument("script_args", nargs=argparse.REMAINDER)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not (args.coordinator or args.worker) and not args.script:
+        ap.error("give the client SCRIPT to run (or --coordinator / --worker)")
+    if args.worker and not args.coordinator_address:
+        ap.error("--worker needs --coordinator-address HOST:PORT (or MASTER_ADDR and "
+                 "MASTER_PORT, or PATHWAYS_COORDINATOR_ADDRESS)")
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
-    cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host)
+    if args.token is not None:
+        os.environ[grpc_util.TOKEN_ENV] = args.token   # children inherit it
+    if args.coordinator:
+        from .coordinator.service import serve
+        serve(argparse.Namespace(host=args.host, port=args.port,
+                                 devices_shared_by=args.devices_shared_by))
+        return 0
+    if args.worker:
+        os.environ.setdefault("CPU_NUM_DEVICES", str(args.devices_per_host))
+        from .worker.agent import serve
+        serve(argparse.Namespace(coordinator=args.coordinator_address, island=args.island,
+                                 host=args.node_rank, devices=args.devices_per_host,
+                                 bind_host=args.bind_host,
+                                 register_timeout=args.register_timeout))
+        return 0
+    return _run_client(args)
+
+
+def _run_client(args: argparse.Namespace) -> int:
+    cluster = None
     env = dict(os.environ)
-    env[ADDRESS_ENV] = cluster.address
+    if args.address:
+        env[ADDRESS_ENV] = args.address
+    else:
+        from .client.cluster import LocalCluster
+        cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
+                               devices_shared_by=args.devices_shared_by)
+        env[ADDRESS_ENV] = cluster.address
     cmd = [sys.executable] + (["-m"] if args.module else []) + [args.script] + args.script_args
     child = None
 
@@ -64,7 +154,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if child is not None and child.poll() is None:
             child.kill()
             child.wait()
-        cluster.stop()
+        if cluster is not None:
+            cluster.stop()
         for s, h in old.items():
             signal.signal(s, h)
     if code < 0:

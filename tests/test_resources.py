@@ -56,3 +56,35 @@ def test_slices_of_client_and_table():
     assert len(rm.slices_of("a")) == 1
     states = [r["state"] for r in rm.device_table()]
     assert states.count("in_use") == 3 and states.count("free") == 1
+
+
+def test_shared_devices_fill_free_ones_first_then_the_least_used():
+    rm = ResourceManager(per_device=2)
+    rm.add_host(0, 0, 4, "cpu", "a", 1)
+    a = rm.reserve("c1", [2], ["x"], None)
+    b = rm.reserve("c2", [2], ["x"], None)
+    assert set(a.devices) & set(b.devices) == set()        # free devices first
+    c = rm.reserve("c3", [2], ["x"], None)                  # now devices are shared
+    assert c.devices == (0, 1)
+    with pytest.raises(AllocationError, match="shared by up to 2"):
+        rm.reserve("c4", [3], ["x"], None)                  # only 2 devices have room
+    d = rm.reserve("c4", [2], ["x"], None)
+    assert d.devices == (2, 3)
+    assert all(len(r["slice_id"].split(",")) == 2 for r in rm.device_table())
+    rm.release(c.slice_id)
+    assert rm.reserve("c5", [2], ["x"], None).devices == (0, 1)
+
+
+def test_a_lost_host_drops_its_slices_and_a_replacement_takes_its_place():
+    rm = ResourceManager()
+    h = rm.add_host(0, 0, 2, "cpu", "a", 1)
+    rec = rm.reserve("c1", [2], ["x"], None)
+    with pytest.raises(AllocationError, match="already registered"):
+        rm.add_host(0, 0, 2, "cpu", "b", 2)
+    assert [r.slice_id for r in rm.mark_lost(h.worker_id)] == [rec.slice_id]
+    assert [r["state"] for r in rm.device_table()] == ["lost", "lost"]
+    with pytest.raises(AllocationError):
+        rm.reserve("c1", [1], ["x"], None)
+    rm.add_host(0, 0, 2, "cpu", "b", 2)
+    assert [r["state"] for r in rm.device_table()] == ["free", "free"]
+    assert rm.reserve("c1", [2], ["x"], None).devices == (0, 1)

@@ -35,11 +35,12 @@ class LocalCluster:
 
     def __init__(self, islands: int = 1, hosts_per_island: int = 1,
                  devices_per_host: int = 8, timeout: float = 180.0,
-                 env: Optional[dict] = None) -> None:
+                 env: Optional[dict] = None, devices_shared_by: int = 1) -> None:
         if islands < 1 or hosts_per_island < 1 or devices_per_host < 1:
             raise ValueError("islands, hosts_per_island and devices_per_host must be >= 1")
         self.islands, self.hosts_per_island = islands, hosts_per_island
         self.devices_per_host = devices_per_host
+        self.devices_shared_by = devices_shared_by
         self.procs: List[subprocess.Popen] = []
         self.logdir = tempfile.mkdtemp(prefix="pathways-")
         self.address = ""
@@ -64,7 +65,8 @@ class LocalCluster:
         return p
 
     def _start(self, env: dict, timeout: float) -> None:
-        coord = self._spawn(["pathways_torch.coordinator", "--port", "0"], env,
+        coord = self._spawn(["pathways_torch.coordinator", "--port", "0",
+                             "--devices-shared-by", str(self.devices_shared_by)], env,
                             "coordinator.log", stdout=subprocess.PIPE)
         line = coord.stdout.readline().decode()
         if not line.startswith("PATHWAYS_COORDINATOR_PORT="):

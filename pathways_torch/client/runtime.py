@@ -120,24 +120,29 @@ class _State:
         return bool(self.client_id)
 
     def initialize(self, address: Optional[str], islands: int, hosts_per_island: int,
-                   devices_per_host: int, timeout: float, name: str) -> None:
+                   devices_per_host: int, timeout: float, name: str, share: float,
+                   devices_shared_by: int) -> None:
         if self.initialized:
             raise PathwaysError("pw.init() was already called; call pw.shutdown() first")
         self.timeout = timeout
         address = address or os.environ.get(ADDRESS_ENV)
         if not address:
-            self.cluster = LocalCluster(islands, hosts_per_island, devices_per_host)
+            self.cluster = LocalCluster(islands, hosts_per_island, devices_per_host,
+                                        devices_shared_by=devices_shared_by)
             address = self.cluster.address
         self.address = address
         try:
             self._channel = grpc_util.channel(address)
             self.stub = pbg.CoordinatorStub(self._channel)
             self._session = self.stub.OpenSession(
-                pb.OpenSessionRequest(name=name, pid=os.getpid()))
+                pb.OpenSessionRequest(name=name, pid=os.getpid(), share=share))
             first = next(self._session)
             self.client_id = first.client_id
         except grpc.RpcError as e:
             self.shutdown()
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise PathwaysError(f"the coordinator at {address} refused this client: "
+                                    f"{e.details()}") from None
             raise PathwaysError(f"could not reach the coordinator at {address}: "
                                 f"{e.details()}") from None
         self._session_thread = threading.Thread(target=self._hold_session,
@@ -225,7 +230,8 @@ def get_state() -> _State:
 
 def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: int = 1,
          devices_per_host: Optional[int] = None, timeout: float = 600.0,
-         name: str = "", dispatch: str = "parallel") -> None:
+         name: str = "", dispatch: str = "parallel", share: float = 1.0,
+         token: Optional[str] = None, devices_shared_by: int = 1) -> None:
     """Connect this process to a Pathways cluster, starting a local one if needed.
 
     With no ``address`` (and no ``PATHWAYS_ADDRESS`` in the environment, which
@@ -237,16 +243,28 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
     dispatched (the paper's baseline in Figure 7); the default ``"parallel"`` dispatches
     at once and lets workers wait for their inputs.
 
+    Several clients may use one cluster at once. ``share`` is this client's weight where
+    devices are shared between clients (a cluster started with ``devices_shared_by`` >
+    1, or ``pathways-run --coordinator --devices-shared-by N``): over a busy period the
+    hosts give each client device time in proportion to its share. ``token`` is the
+    cluster's shared secret (default ``PATHWAYS_TOKEN``), required by clusters that
+    listen beyond loopback.
+
     Example::
 
         pw.init(devices_per_host=8)
+        pw.init(address="10.0.0.2:7000", share=4, token=os.environ["MY_TOKEN"])
     """
+    if share <= 0:
+        raise ValueError(f"share must be positive, not {share}")
+    if token is not None:
+        grpc_util.set_token(token)
     if devices_per_host is None:
         devices_per_host = int(os.environ.get("CPU_NUM_DEVICES", "8"))
     _check_dispatch(dispatch)
     with _state.lock:
         _state.initialize(address, islands, hosts_per_island, devices_per_host, timeout,
-                          name or f"pid{os.getpid()}")
+                          name or f"pid{os.getpid()}", share, devices_shared_by)
         _state.dispatch = dispatch
 
 

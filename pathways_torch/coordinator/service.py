@@ -21,16 +21,21 @@ from .scheduler import GangScheduler
 log = logging.getLogger("pathways.coordinator")
 
 
+HEARTBEAT_S = 1.0
+
+
 class CoordinatorService(pbg.CoordinatorServicer):
-    def __init__(self) -> None:
-        self.rm = ResourceManager()
+    def __init__(self, devices_shared_by: int = 1) -> None:
+        self.rm = ResourceManager(devices_shared_by)
         self.scheduler = GangScheduler()
         self._workers: dict = {}           # worker_id -> Worker stub
-        self._sessions: dict = {}          # client_id -> name
+        self._sessions: dict = {}          # client_id -> (name, share)
         self._lock = threading.Lock()
 
     # -- workers
     def RegisterWorker(self, request, context):
+        """A worker's session: registered while this stream lives, lost when it breaks
+        (a killed worker's connection closes at once; heartbeats find silent ones)."""
         try:
             h = self.rm.add_host(request.island, request.host, request.num_devices,
                                  request.kind, request.address, request.pid)
@@ -41,7 +46,22 @@ class CoordinatorService(pbg.CoordinatorServicer):
             self._workers[h.worker_id] = stub
         log.info("worker %s registered: island %d host %d, %d %s devices at %s",
                  h.worker_id, h.island, h.host, h.num_devices, h.kind, h.address)
-        return pb.RegisterWorkerReply(worker_id=h.worker_id)
+        closed = threading.Event()
+        context.add_callback(closed.set)
+        try:
+            yield pb.WorkerEvent(worker_id=h.worker_id, heartbeat_s=HEARTBEAT_S)
+            while not closed.wait(HEARTBEAT_S):
+                yield pb.WorkerEvent(heartbeat_s=HEARTBEAT_S)
+        finally:
+            self._worker_lost(h.worker_id)
+
+    def _worker_lost(self, worker_id: str) -> None:
+        with self._lock:
+            self._workers.pop(worker_id, None)
+        gone = self.rm.mark_lost(worker_id)
+        for rec in gone:
+            self.scheduler.forget(rec.slice_id)
+        log.warning("worker %s is gone; %d slices lost", worker_id, len(gone))
 
     def ListDevices(self, request, context):
         reply = pb.ListDevicesReply(registered_workers=len(self.rm.hosts))
@@ -54,7 +74,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
         client_id = f"c{uuid.uuid4().hex[:12]}"
         done = threading.Event()
         with self._lock:
-            self._sessions[client_id] = request.name
+            self._sessions[client_id] = (request.name, request.share or 1.0)
 
         def on_close():
             done.set()
@@ -73,8 +93,8 @@ class CoordinatorService(pbg.CoordinatorServicer):
 
     def AllocateSlice(self, request, context):
         with self._lock:
-            known = request.client_id in self._sessions
-        if not known:
+            session = self._sessions.get(request.client_id)
+        if session is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           f"unknown client {request.client_id!r}: open a session first")
         island = None if request.any_island else request.island
@@ -85,17 +105,20 @@ class CoordinatorService(pbg.CoordinatorServicer):
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.code == "exhausted"
                     else grpc.StatusCode.INVALID_ARGUMENT)
             context.abort(code, str(e))
-        stub = self._workers[rec.worker_id]
+        stub = self._workers.get(rec.worker_id)
         try:
+            if stub is None:
+                raise _Gone()
             rep = stub.StartExecutor(pb.StartExecutorRequest(
                 slice_id=rec.slice_id, device_indices=list(rec.devices),
                 mesh_shape=list(rec.mesh_shape), axis_names=list(rec.axis_names),
-                client_id=request.client_id), timeout=120)
-        except grpc.RpcError as e:
+                client_id=request.client_id,
+                share=session[1] if self.rm.per_device > 1 else 0.0), timeout=120)
+        except (grpc.RpcError, _Gone) as e:
             self.rm.release(rec.slice_id)
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"island {rec.island} host {rec.host} could not start an executor "
-                          f"for the slice: {e.details()}")
+                          f"for the slice: {_details(e)}")
         rec.executor_address = rep.address
         reply = pb.AllocateSliceReply(slice_id=rec.slice_id, executor_address=rep.address,
                                       island=rec.island, host=rec.host,
@@ -142,19 +165,41 @@ class CoordinatorService(pbg.CoordinatorServicer):
             log.warning("stopping executor of %s failed: %s", slice_id, e.details())
 
 
+class _Gone(Exception):
+    pass
+
+
+def _details(e: Exception) -> str:
+    return e.details() if isinstance(e, grpc.RpcError) else "the worker is gone"
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (beyond loopback a --token is required)")
+    ap.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
+    ap.add_argument("--devices-shared-by", type=int, default=1,
+                    help="how many slices (of any clients) may share one device; >1 turns "
+                    "on proportional-share time-multiplexing of shared devices")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m pathways_torch.coordinator")
-    ap.add_argument("--host", default="127.0.0.1", help="address to bind")
-    ap.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
+    add_arguments(ap)
     ap.add_argument("--parent-pid", type=int, default=0,
                     help="exit when this process dies (embedded clusters)")
     args = ap.parse_args(argv)
+    serve(args)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Run the coordinator until SIGTERM/SIGINT (then exit the process)."""
     logging.basicConfig(level=os.environ.get("PATHWAYS_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(message)s")
-    if args.parent_pid:
+    grpc_util.require_token_for(args.host, "the coordinator")
+    if getattr(args, "parent_pid", 0):
         _proc.die_with_parent(args.parent_pid)
     srv = grpc_util.server(max_workers=64)
-    service = CoordinatorService()
+    service = CoordinatorService(args.devices_shared_by)
     pbg.add_CoordinatorServicer_to_server(service, srv)
     port = srv.add_insecure_port(f"{args.host}:{args.port}")
     srv.start()

@@ -34,10 +34,10 @@ class CoordinatorStub(object):
         Args:
             channel: A grpc.Channel.
         """
-        self.RegisterWorker = channel.unary_unary(
+        self.RegisterWorker = channel.unary_stream(
                 '/pathways.Coordinator/RegisterWorker',
                 request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.RegisterWorkerReply.FromString,
+                response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.WorkerEvent.FromString,
                 _registered_method=True)
         self.OpenSession = channel.unary_stream(
                 '/pathways.Coordinator/OpenSession',
@@ -110,10 +110,10 @@ class CoordinatorServicer(object):
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
+            'RegisterWorker': grpc.unary_stream_rpc_method_handler(
                     servicer.RegisterWorker,
                     request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.RegisterWorkerReply.SerializeToString,
+                    response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.WorkerEvent.SerializeToString,
             ),
             'OpenSession': grpc.unary_stream_rpc_method_handler(
                     servicer.OpenSession,
@@ -162,12 +162,12 @@ class Coordinator(object):
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/pathways.Coordinator/RegisterWorker',
             pathways__torch_dot_rpc_dot_pathways__pb2.RegisterWorkerRequest.SerializeToString,
-            pathways__torch_dot_rpc_dot_pathways__pb2.RegisterWorkerReply.FromString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.WorkerEvent.FromString,
             options,
             channel_credentials,
             insecure,

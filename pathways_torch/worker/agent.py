@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Optional
 
 log = logging.getLogger("pathways.worker")
 
@@ -88,7 +89,8 @@ def _kill_and_wait(pid: int, timeout: float = 5.0) -> None:
         pass
 
 
-def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: str):
+def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: str,
+                  arbiter_path: str):
     import grpc
     from ..rpc import pathways_pb2 as pb
     from ..rpc import pathways_pb2_grpc as pbg
@@ -111,7 +113,8 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
                 slice_id=request.slice_id, devices=list(request.device_indices),
                 mesh_shape=list(request.mesh_shape), axis_names=list(request.axis_names),
                 agent_address=self.address, island=island, host=host, kind=kind,
-                bind_host=bind_host))
+                bind_host=bind_host, client_id=request.client_id, share=request.share,
+                arbiter=arbiter_path))
             ok = ev.wait(120)
             with self._lock:
                 self._pending.pop(request.slice_id, None)
@@ -151,20 +154,92 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
     return WorkerService()
 
 
+class _Session:
+    """The worker's registration: a stream to the coordinator that carries heartbeats.
+
+    When the stream breaks (the coordinator restarted or is unreachable) the worker stops
+    its executors, whose slices the coordinator no longer knows, and registers again,
+    retrying until the coordinator is back.
+    """
+
+    def __init__(self, address: str, req, service, timeout: float) -> None:
+        from ..rpc import grpc_util
+        from ..rpc import pathways_pb2_grpc as pbg
+        self.stub = pbg.CoordinatorStub(grpc_util.channel(address))
+        self.address, self.req, self.service = address, req, service
+        self.timeout = timeout          # for the first registration; 0: forever
+        self.events = None
+
+    def _register(self, deadline: Optional[float]) -> bool:
+        import grpc
+        while True:
+            try:
+                self.events = self.stub.RegisterWorker(self.req)
+                first = next(self.events)
+                log.info("registered as %s with %s", first.worker_id, self.address)
+                return True
+            except grpc.RpcError as e:
+                retry = e.code() in (grpc.StatusCode.UNAVAILABLE,
+                                     grpc.StatusCode.ALREADY_EXISTS)
+                if not retry or (deadline is not None and time.monotonic() > deadline):
+                    print(f"worker island {self.req.island} host {self.req.host}: "
+                          f"registration with {self.address} failed: {e.details()}",
+                          file=sys.stderr, flush=True)
+                    return False
+                time.sleep(0.5)
+
+    def first_registration(self) -> bool:
+        return self._register(time.monotonic() + self.timeout if self.timeout else None)
+
+    def hold(self) -> None:
+        import grpc
+        while True:
+            try:
+                for _ in self.events:
+                    pass
+            except grpc.RpcError:
+                pass
+            log.warning("lost the coordinator at %s; registering again", self.address)
+            self.service.stop_all()
+            self._register(None)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m pathways_torch.worker")
-    ap.add_argument("--coordinator", required=True, help="coordinator address host:port")
-    ap.add_argument("--island", type=int, default=0)
-    ap.add_argument("--host", type=int, default=0, help="host index within the island")
-    ap.add_argument("--devices", type=int, default=0,
-                    help="devices on this host (0: ask the runtime)")
-    ap.add_argument("--bind-host", default="127.0.0.1")
+    add_arguments(ap)
     ap.add_argument("--parent-pid", type=int, default=0)
-    args = ap.parse_args(argv)
+    serve(ap.parse_args(argv))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--coordinator", "--coordinator-address", dest="coordinator",
+                    default=os.environ.get("PATHWAYS_COORDINATOR_ADDRESS", ""),
+                    help="coordinator address host:port")
+    ap.add_argument("--island", type=int, default=0)
+    ap.add_argument("--host", "--node-rank", dest="host", type=int,
+                    default=int(os.environ.get("NODE_RANK", 0)),
+                    help="host index within the island")
+    ap.add_argument("--devices", type=int, default=0,
+                    help="devices on this host (0: CPU_NUM_DEVICES, or 1)")
+    ap.add_argument("--bind-host", default="127.0.0.1",
+                    help="address the worker and its executors listen on (beyond loopback "
+                    "a token is required)")
+    ap.add_argument("--register-timeout", type=float, default=120.0,
+                    help="give up when the coordinator is not up within this many seconds "
+                    "(0: retry forever)")
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Run the host agent until SIGTERM/SIGINT (then exit the process)."""
     logging.basicConfig(level=os.environ.get("PATHWAYS_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(message)s")
     from .. import _proc
-    if args.parent_pid:
+    from ..rpc import grpc_util
+    if not args.coordinator:
+        raise SystemExit("the worker needs --coordinator-address HOST:PORT (or "
+                         "PATHWAYS_COORDINATOR_ADDRESS)")
+    grpc_util.require_token_for(args.bind_host, "the worker")
+    if getattr(args, "parent_pid", 0):
         _proc.die_with_parent(args.parent_pid)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     from .devices import device_kind
@@ -176,36 +251,31 @@ def main(argv=None) -> None:
     import torch_xla  # noqa: F401
     zygote = Zygote()
 
-    import grpc
-    from ..rpc import grpc_util
     from ..rpc import pathways_pb2 as pb
     from ..rpc import pathways_pb2_grpc as pbg
 
-    service = _make_service(zygote, args.island, args.host, kind, args.bind_host)
+    from .arbiter import ShareArbiter
+    arbiter = ShareArbiter()        # after the fork: the zygote must not hold its threads
+    service = _make_service(zygote, args.island, args.host, kind, args.bind_host,
+                            arbiter.path)
     srv = grpc_util.server(max_workers=32)
     pbg.add_WorkerServicer_to_server(service, srv)
     port = srv.add_insecure_port(f"{args.bind_host}:0")
     srv.start()
     service.address = f"{args.bind_host}:{port}"
 
-    coord = pbg.CoordinatorStub(grpc_util.channel(args.coordinator))
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            coord.RegisterWorker(pb.RegisterWorkerRequest(
-                island=args.island, host=args.host, num_devices=num_devices, kind=kind,
-                address=service.address, pid=os.getpid()), timeout=10)
-            break
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                print(f"worker island {args.island} host {args.host}: registration failed: "
-                      f"{e.details()}", file=sys.stderr, flush=True)
-                zygote.stop()
-                os._exit(1)
-            time.sleep(0.5)
+    req = pb.RegisterWorkerRequest(island=args.island, host=args.host,
+                                   num_devices=num_devices, kind=kind,
+                                   address=service.address, pid=os.getpid())
+    session = _Session(args.coordinator, req, service, args.register_timeout)
+    if not session.first_registration():
+        zygote.stop()
+        os._exit(1)
+    threading.Thread(target=session.hold, name="coordinator-session", daemon=True).start()
     try:
         _proc.serve_until_signal(srv)
     finally:
         service.stop_all()
         zygote.stop()
+        arbiter.close()
     os._exit(0)

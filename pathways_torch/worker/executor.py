@@ -117,6 +117,11 @@ class ExecutorService(_make_servicer_base()):
         self.dataplane = DataPlane(req["bind_host"])
         self.transfer_timeout = 600.0
         self.budget = _memory_budget()
+        from .arbiter import connect
+        # Shared devices: every execution waits for the host arbiter's grant (and is run
+        # to completion inside it, so its device time can be charged to this client).
+        self.arbiter = connect(req.get("arbiter"), req.get("client_id", ""),
+                               req.get("share", 0.0))
         self._resolve_lock = threading.RLock()
         self._gang_next = 1             # the slice_seq of the next scheduled gang op
         self.gang_positions: list = []  # island positions of the gang ops run, in order
@@ -291,7 +296,9 @@ class ExecutorService(_make_servicer_base()):
             num_programs=len(self.programs), num_devices=len(self.mesh.device_ids),
             executed=self.executed, compiles=self.compiles, pid=os.getpid(),
             gang_positions=self.gang_positions, bytes_received=self.dataplane.bytes_received,
-            bytes_sent=self.dataplane.bytes_sent, recv_seconds=self.dataplane.recv_seconds)
+            bytes_sent=self.dataplane.bytes_sent, recv_seconds=self.dataplane.recv_seconds,
+            busy_seconds=self.arbiter.busy_seconds if self.arbiter else 0.0,
+            shared=self.arbiter is not None)
 
     # ------------------------------------------------------------------ execution thread
     def _loop(self) -> None:
@@ -528,14 +535,20 @@ class ExecutorService(_make_servicer_base()):
             self._mark_donated(inputs, donated)
         if err is None:
             try:
-                outs = self._run(prog, inputs)
+                if self.arbiter is not None:
+                    with self.arbiter.grant():
+                        outs = self._run(prog, inputs)
+                        self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+                else:
+                    outs = self._run(prog, inputs)
+                    # Asynchronous: the next op's host work overlaps this execution (~30
+                    # µs an op instead of ~150 µs with wait=True here). Outputs that
+                    # cannot fit were refused above, so executions do not fail for want
+                    # of memory.
+                    self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=False)
                 if len(outs) != len(op.outputs):
                     raise RuntimeError(f"program returned {len(outs)} outputs, "
                                        f"{len(op.outputs)} were declared")
-                # Asynchronous: the next op's host work overlaps this execution (~30 µs
-                # an op instead of ~150 µs with wait=True here). Outputs that cannot fit
-                # were refused above, so executions do not fail for want of memory.
-                self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=False)
             except Exception as e:
                 err = self._err("program", f"program '{prog.name}' failed on {self.where}: "
                                 f"{type(e).__name__}: {e}", prog.name)
