@@ -536,7 +536,9 @@ def render(results: dict):
         f"{meta.get('nproc', '–')} x {meta.get('cpu', '–')}; Python "
         f"{meta.get('python', '–')}, torch {meta.get('torch', '–')}, torch_xla "
         f"{meta.get('torch_xla', '–')}, Ray {meta.get('ray') or 'not installed'}; "
-        f"all benchmarks took {num(wall / 60, 1) + ' min' if wall else '–'}.\n",
+        f"all benchmarks took {num(wall / 60, 1) + ' min' if wall else '–'}; commit "
+        f"{meta.get('commit') or '–'}"
+        f"{' with uncommitted runtime changes' if meta.get('dirty') else ''}.\n",
         "## Headlines\n",
         table(["what", "ratio", "bar", ""], rep.headlines) + "\n",
     ]

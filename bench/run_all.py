@@ -63,9 +63,18 @@ def machine() -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
+    def git(*argv):
+        try:
+            return subprocess.run(["git", *argv], cwd=HERE.parent, capture_output=True,
+                                  text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
     return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
             "torch": version("torch"), "torch_xla": version("torch_xla"),
-            "ray": version("ray")}
+            "ray": version("ray"), "commit": git("rev-parse", "--short", "HEAD") or None,
+            # the runtime measured had uncommitted changes (bench/ and docs/ not counted)
+            "dirty": bool(git("status", "--porcelain", "--", "pathways_torch", "recipes"))}
 
 
 def run_one(script: str, argv: list, timeout: float) -> dict:
