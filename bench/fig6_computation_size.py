@@ -12,10 +12,13 @@ run, alternating, medians of --runs:
 
 The computation size is reported as the in-process time per computation (as the paper
 does, in ms). For each size: throughput of each pathways variant relative to in-process
-(``in_process_us / variant_us``; 1.0 = parity). ``parity`` gives, per variant, the
+(``in_process_us / variant_us``; 1.0 = parity), taken per run from the measurements
+made next to each other and then the median over runs, so that a burst of load from
+elsewhere on the machine hits both sides of a ratio. ``parity`` gives, per variant, the
 smallest size from which the relative throughput stays >= --threshold for every larger
-size measured, and ``first_reach`` the smallest size at which it reaches it at all (null
-if it never does).
+size measured (default 0.9: paired runs on the shared 2-core development machine differ
+by 5-10 %), and ``first_reach`` the smallest size at which it reaches it at all (null if
+it never does).
 
 The number of computations per measurement adapts to the size (about --target-s of
 in-process time, between 16 and --max-steps).
@@ -113,7 +116,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--target-s", type=float, default=0.3)
     ap.add_argument("--max-steps", type=int, default=4096)
-    ap.add_argument("--threshold", type=float, default=0.95)
+    # 0.9, not 1.0: paired runs on this shared 2-core machine differ by 5-10 %.
+    ap.add_argument("--threshold", type=float, default=0.9)
     args = ap.parse_args()
     sizes = [int(n) for n in args.sizes.split(",")]
     pw.init(devices_per_host=1)
@@ -141,10 +145,10 @@ def main() -> None:
                        "in_process_us": round(med["in_process"], 1),
                        "op_by_op_us": round(med["op_by_op"], 1),
                        "chained_us": round(med["chained"], 1),
-                       "op_by_op_rel_throughput":
-                           round(med["in_process"] / med["op_by_op"], 3),
-                       "chained_rel_throughput":
-                           round(med["in_process"] / med["chained"], 3)}
+                       "op_by_op_rel_throughput": round(median(
+                           [a / b for a, b in zip(res["in_process"], res["op_by_op"])]), 3),
+                       "chained_rel_throughput": round(median(
+                           [a / b for a, b in zip(res["in_process"], res["chained"])]), 3)}
             print(f"n={n}", rows[n], flush=True)
     finally:
         pw.shutdown()

@@ -32,7 +32,7 @@ BENCHES = [
     ("runtime.py", ["--runs", "3", "--mib", "64"], ["--runs", "1", "--mib", "16"]),
     ("fig5_dispatch_overhead.py", ["--runs", "5", "--steps", "1024"],
      ["--runs", "2", "--steps", "256", "--no-ray"]),
-    ("fig6_computation_size.py", ["--runs", "5"],
+    ("fig6_computation_size.py", ["--runs", "7"],
      ["--runs", "1", "--sizes", "16,128,512", "--target-s", "0.1"]),
     ("fig7_parallel_dispatch.py", ["--hosts", "16", "--chains", "20", "--runs", "3"],
      ["--hosts", "4", "--stages", "1,2,4", "--chains", "5", "--runs", "1",
