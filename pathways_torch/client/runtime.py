@@ -84,10 +84,12 @@ class Slice:
         self._conn.close()
         self._state.release_slice(self)
 
-    def stats(self) -> pb.StatsReply:
+    def stats(self, sync: bool = True) -> pb.StatsReply:
         """The executor's counters (buffers held, bytes, programs, executions, gang
-        order), after every op sent to the slice so far has been processed."""
-        self._conn.barrier()
+        order, device time on shared devices), after every op sent to the slice so far
+        has been processed; ``sync=False`` reads them at once, without waiting."""
+        if sync:
+            self._conn.barrier()
         return self._conn.stats()
 
     def __enter__(self) -> "Slice":

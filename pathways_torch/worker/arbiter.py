@@ -9,9 +9,16 @@ queueing rule, so over a busy period client i receives ``share_i / sum(shares)``
 device time. A client that was idle re-enters at the current virtual time and so cannot
 bank credit.
 
+An executor has one program in hand at a time, so between two of its programs a busy
+client is briefly not waiting; granting the devices to whoever waits at that instant
+would drift towards round-robin. So an executor says, with each completion, whether more
+work is queued behind it, and the arbiter *anticipates*: it holds the devices for an owed
+client that has more work for up to ``ANTICIPATE_S``, the time that client's executor
+needs to come back with its next request.
+
 The protocol is tiny and local (a Unix socket per host): the executor sends
 ``b"H" + json`` once, then ``b"R"`` per program; the arbiter answers ``b"G"``; the
-executor sends ``b"D" + float64 seconds`` when the program is done.
+executor sends ``b"D" + float64 seconds + one byte (more work queued)`` when done.
 
 Example (as the executor uses it)::
 
@@ -46,15 +53,23 @@ class FairQueue:
         if not waiting:
             self.vtime[client] = max(self.vtime.get(client, 0.0), self.now)
 
-    def pick(self, waiters: List[tuple]) -> tuple:
+    def best(self, waiters: List[tuple]) -> tuple:
         """``waiters`` are (client, arrival order, ...); the least virtual time wins."""
-        w = min(waiters, key=lambda w: (self.vtime.get(w[0], 0.0), w[1]))
-        self.now = self.vtime.get(w[0], 0.0)
-        return w
+        return min(waiters, key=lambda w: (self.vtime.get(w[0], 0.0), w[1]))
+
+    def grant(self, client: str) -> None:
+        self.now = self.vtime.get(client, 0.0)
+
+    def owed(self, client: str, than: str) -> bool:
+        """Whether ``client`` is behind ``than`` (so it should run first)."""
+        return self.vtime.get(client, 0.0) < self.vtime.get(than, 0.0)
 
     def done(self, client: str, share: float, seconds: float) -> None:
         self.vtime[client] = self.vtime.get(client, 0.0) + seconds / share
         self.busy[client] = self.busy.get(client, 0.0) + seconds
+
+
+ANTICIPATE_S = 0.1
 
 
 class ShareArbiter:
@@ -71,6 +86,8 @@ class ShareArbiter:
         self._running = False
         self._order = 0
         self._closed = False
+        self._last_done: Dict[str, float] = {}   # client -> when its last program ended
+        self._timer: Optional[threading.Timer] = None
         threading.Thread(target=self._accept, name="arbiter", daemon=True).start()
 
     def _accept(self) -> None:
@@ -83,45 +100,75 @@ class ShareArbiter:
 
     def _serve(self, conn: socket.socket) -> None:
         f = conn.makefile("rb")
+        client, granted = None, False
         try:
             if f.read(1) != b"H":
                 return
             hello = json.loads(f.readline())
             client, share = str(hello["client"]), max(float(hello["share"]), 1e-6)
-            while True:
-                op = f.read(1)
-                if op != b"R":
-                    return
+            while f.read(1) == b"R":
                 ev = threading.Event()
                 with self._cond:
                     self._order += 1
-                    self._queue.arrive(client, any(w[0] == client for w in self._waiters))
+                    # backlogged (said "more") or queued: not a return from idling
+                    busy = client in self._last_done or any(
+                        w[0] == client for w in self._waiters)
+                    self._queue.arrive(client, busy)
                     self._waiters.append((client, self._order, ev))
                     self._dispatch()
                 ev.wait()
+                granted = True
                 conn.sendall(b"G")
-                op, raw = f.read(1), f.read(8)
-                seconds = struct.unpack("<d", raw)[0] if op == b"D" and len(raw) == 8 else 0.0
+                op, raw = f.read(1), f.read(9)
+                if op != b"D" or len(raw) != 9:
+                    return
+                seconds, more = struct.unpack("<d?", raw)
                 with self._cond:
                     self._queue.done(client, share, seconds)
-                    self._running = False
+                    granted = self._running = False
+                    if more:
+                        self._last_done[client] = time.monotonic()
+                    else:
+                        self._last_done.pop(client, None)
                     self._dispatch()
-                if op != b"D":
-                    return
         except (OSError, ValueError, KeyError):
             pass
         finally:
             f.close()
             conn.close()
+            # The executor is gone (its slice was released, or it died): never leave
+            # the devices granted to it, nor anyone waiting for it.
+            with self._cond:
+                if granted:
+                    self._running = False
+                if client is not None:
+                    self._last_done.pop(client, None)
+                self._dispatch()
 
     def _dispatch(self) -> None:
         """Grant the next waiter if the devices are idle (holding ``_cond``)."""
         if self._running or not self._waiters:
             return
-        w = self._queue.pick(self._waiters)
+        w = self._queue.best(self._waiters)
+        now = time.monotonic()
+        waiting = {x[0] for x in self._waiters}
+        for client, t in self._last_done.items():
+            if (client not in waiting and now - t < ANTICIPATE_S
+                    and self._queue.owed(client, w[0])):
+                if self._timer is None:         # look again when the wait runs out
+                    self._timer = threading.Timer(t + ANTICIPATE_S - now, self._retry)
+                    self._timer.daemon = True
+                    self._timer.start()
+                return
         self._waiters.remove(w)
+        self._queue.grant(w[0])
         self._running = True
         w[2].set()
+
+    def _retry(self) -> None:
+        with self._cond:
+            self._timer = None
+            self._dispatch()
 
     def busy(self) -> Dict[str, float]:
         with self._cond:
@@ -148,8 +195,9 @@ class ArbiterClient:
         self.busy_seconds = 0.0
 
     @contextmanager
-    def grant(self):
-        """Wait for the devices; the body's wall time is reported as device time."""
+    def grant(self, more=lambda: False):
+        """Wait for the devices; the body's wall time is reported as device time, and
+        ``more()`` says at the end whether another program is queued behind it."""
         self._sock.sendall(b"R")
         if self._sock.recv(1) != b"G":
             raise OSError("the host's share arbiter went away")
@@ -159,7 +207,7 @@ class ArbiterClient:
         finally:
             dt = time.perf_counter() - t0
             self.busy_seconds += dt
-            self._sock.sendall(b"D" + struct.pack("<d", dt))
+            self._sock.sendall(b"D" + struct.pack("<d?", dt, bool(more())))
 
     def close(self) -> None:
         self._sock.close()

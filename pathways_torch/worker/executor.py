@@ -536,7 +536,7 @@ class ExecutorService(_make_servicer_base()):
         if err is None:
             try:
                 if self.arbiter is not None:
-                    with self.arbiter.grant():
+                    with self.arbiter.grant(more=lambda: not self._queue.empty()):
                         outs = self._run(prog, inputs)
                         self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
                 else:
