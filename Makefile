@@ -25,7 +25,8 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	$(PY) -m pip install -q -r requirements-bench.txt
 	touch $(BENCH_STAMP)
 
-# Every benchmark, each against its baseline in the same run; writes bench/results.json.
+# Every benchmark, each against its baseline in the same run; writes bench/results.json
+# and regenerates docs/evaluation.md with its plots (bench/report.py). About 10 minutes.
 bench: $(BENCH_STAMP)
 	$(PY) bench/run_all.py
 
