@@ -319,29 +319,57 @@ def fig9(rep: Report) -> None:
     if res is None:
         return
     clients, thr = res.get("clients") or [], res.get("throughput") or []
+    setup = []
+    if res.get("devices"):
+        setup.append(f"one host with {res['devices']} devices shared by every client")
+    if res.get("seconds"):
+        setup.append(f"each measured over the same {res['seconds']:g} s window")
+    rep.add("Every client is its own process keeping its queue full; "
+            + (", ".join(setup) + "; " if setup else "")
+            + f"{source(res, 'fig9_shares.py')}.\n")
     if clients and thr:
-        rep.add("Aggregate throughput by number of clients "
-                f"({source(res, 'fig9_shares.py')}):\n",
-                table(["clients", "throughput"], [[c, num(t)] for c, t in
-                                                 zip(clients, thr)]) + "\n")
+        base = thr[0] if clients[0] == 1 and thr[0] else None
+        rep.add("Aggregate throughput by number of equal clients (the first row, one "
+                "client, is the baseline):\n",
+                table(["clients", "programs/s, all clients", "vs 1 client"],
+                      [[c, num(t), ratio(t / base) if base else "–"]
+                       for c, t in zip(clients, thr)]) + "\n")
+        if base and len(clients) > 1:
+            rep.headlines.append((f"Aggregate throughput, {clients[-1]} clients vs 1 (Fig. 8)",
+                                  ratio(thr[-1] / base), "paper: ≥ 1", "–"))
     shares = res.get("shares") or {}
-    rows = []
+    rows, errs = [], []
     for name, v in shares.items():
         w, m = v.get("weights") or [], v.get("measured") or []
         sw, sm = sum(w) or 1, sum(m) or 1
         for i, (a, b) in enumerate(zip(w, m)):
             rows.append([name, i, num(a / sw, 3), num(b / sm, 3),
                          ratio((b / sm) / (a / sw)) if a else "–"])
+        err = v.get("max_relative_error")
+        if err is None and w and m:
+            err = max(abs(b / sm - a / sw) / (a / sw) for a, b in zip(w, m) if a)
+        if err is not None:
+            errs.append((name, err, v.get("busy_fraction_of_window")))
     if rows:
         rep.add("Device-time shares (each normalised to its total):\n",
                 table(["shares", "client", "target share", "measured share",
                        "measured / target"], rows) + "\n")
+    if errs:
+        rep.add("\n".join(
+            f"- {name}: largest relative error of a client's share {num(e * 100, 1)} %"
+            + (f"; the devices were busy {num(b * 100, 0)} % of the window" if b else "")
+            + "." for name, e, b in errs) + "\n")
+        for name, e, _ in errs:
+            rep.headlines.append((f"Shares {name}: largest relative error (Fig. 9)",
+                                  f"{num(e * 100, 1)} %", "–", "–"))
     p = plt()
     if clients and thr:
         fig, ax = p.subplots(figsize=(6, 3.0))
         ax.plot(clients, thr, "o-")
+        ax.set_xticks(clients)
+        ax.set_ylim(0, max(thr) * 1.2)
         ax.set_xlabel("clients")
-        ax.set_ylabel("aggregate throughput")
+        ax.set_ylabel("programs / s, all clients")
         ax.set_title("Figure 8 analogue: clients")
         rep.plot("fig8_clients.png", fig)
     if shares:
