@@ -144,3 +144,36 @@ def test_a_client_that_exits_loses_its_slices(tmp_path):
             assert len(pw.slice((4,)).devices) == 4     # the whole host is usable again
         finally:
             pw.shutdown()
+
+
+SLEEPER = textwrap.dedent("""
+    import os, time, torch
+    import pathways_torch as pw
+    pw.init()
+    s = pw.slice((2,))
+    pw.put(torch.ones(2), s).torch()
+    print("ADDRESS", os.environ["PATHWAYS_ADDRESS"], flush=True)
+    time.sleep(300)
+""")
+
+
+def test_ctrl_c_of_pathways_run_stops_the_script_and_the_cluster(tmp_path):
+    p = tmp_path / "sleeper.py"
+    p.write_text(SLEEPER)
+    proc = subprocess.Popen(RUN + ["--devices-per-host", "2", str(p)], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ADDRESS "), line
+        address = line.split()[1]
+        assert len(with_cmdline(address)) >= 2       # coordinator and worker agent
+        proc.send_signal(signal.SIGINT)              # what Ctrl-C sends
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code != 0                                 # the script was interrupted
+    assert wait_gone(with_cmdline(address)) == []
+    assert port_closed(address)
