@@ -28,7 +28,7 @@ import time
 from common import emit
 
 CLIENT = r'''
-import json, os, sys, time, torch
+import json, os, sys, threading, time, torch
 import pathways_torch as pw
 share, go_file, seconds = float(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 pw.init(share=share, name=f"share{share:g}")
@@ -49,17 +49,23 @@ while not os.path.exists(go_file):
 go = float(open(go_file).read())
 while time.time() < go:
     time.sleep(0.001)
-marks, inflight = {}, []
 start, stop = go + 1.0, go + 1.0 + seconds
+marks = {}
+
+def sample():
+    for key, at in (("start", start), ("stop", stop)):
+        time.sleep(max(0.0, at - time.time()))
+        st = s.stats(sync=False)
+        marks[key] = (st.busy_seconds, st.executed, time.time())
+
+sampler = threading.Thread(target=sample)
+sampler.start()
+inflight = []
 while time.time() < stop + 1.0:
     inflight.append(work(a, b))
-    if len(inflight) > 16:
+    if len(inflight) > 32:
         inflight.pop(0).wait()
-    now = time.time()
-    for key, at in (("start", start), ("stop", stop)):
-        if key not in marks and now >= at:
-            st = s.stats(sync=False)
-            marks[key] = (st.busy_seconds, st.executed, now)
+sampler.join()
 (b0, e0, t0), (b1, e1, t1) = marks["start"], marks["stop"]
 print("RESULT", json.dumps({"share": share, "busy_s": b1 - b0,
                             "programs_per_s": (e1 - e0) / (t1 - t0)}), flush=True)

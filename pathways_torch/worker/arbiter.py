@@ -69,7 +69,7 @@ class FairQueue:
         self.busy[client] = self.busy.get(client, 0.0) + seconds
 
 
-ANTICIPATE_S = 0.1
+ANTICIPATE_S = 0.2
 
 
 class ShareArbiter:
