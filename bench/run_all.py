@@ -6,7 +6,8 @@ and regenerate docs/evaluation.md (bench/report.py).
 Each benchmark runs in its own process (one cluster each); its last JSON line is kept,
 with its wall time. A benchmark that fails or runs past --timeout is recorded with its
 error and the others still run. --quick passes smaller sizes, for a smoke run. The full
-run takes about 12-15 minutes on the 2-core development machine.
+run takes about 10-14 minutes on the 2-core development machine (more while other work
+shares its cores).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import pathlib
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -32,13 +34,13 @@ BENCHES = [
     ("runtime.py", ["--runs", "3", "--mib", "64"], ["--runs", "1", "--mib", "16"]),
     ("fig5_dispatch_overhead.py", ["--runs", "5", "--steps", "1024"],
      ["--runs", "2", "--steps", "256", "--no-ray"]),
-    ("fig6_computation_size.py", ["--runs", "7"],
+    ("fig6_computation_size.py", ["--runs", "5"],
      ["--runs", "1", "--sizes", "16,128,512", "--target-s", "0.1"]),
     ("fig7_parallel_dispatch.py", ["--hosts", "16", "--chains", "20", "--runs", "3"],
      ["--hosts", "4", "--stages", "1,2,4", "--chains", "5", "--runs", "1",
       "--no-ray"]),
     ("dcn.py", ["--runs", "5", "--mib", "64"], ["--runs", "2", "--mib", "16"]),
-    ("train.py", ["--runs", "3", "--steps", "10"], ["--runs", "1", "--steps", "5"]),
+    ("train.py", ["--runs", "2", "--steps", "10"], ["--runs", "1", "--steps", "5"]),
 ]
 
 # Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.
@@ -79,17 +81,25 @@ def machine() -> dict:
 
 def run_one(script: str, argv: list, timeout: float) -> dict:
     t0 = time.perf_counter()
+    # Its own session, so that a timeout (or Ctrl-C) also ends what it started.
+    proc = subprocess.Popen([sys.executable, str(HERE / script)] + argv, cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run([sys.executable, str(HERE / script)] + argv,
-                              capture_output=True, text=True, cwd=HERE, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
         res = {"error": f"timed out after {timeout:.0f} s\n" + (err or "")[-2000:],
                "returncode": None}
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     else:
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+        lines = [l for l in out.splitlines() if l.startswith("{")]
         if proc.returncode != 0 or not lines:
-            res = {"error": proc.stderr[-2000:], "returncode": proc.returncode}
+            res = {"error": err[-2000:], "returncode": proc.returncode}
         else:
             res = json.loads(lines[-1])
     res["args"] = argv
@@ -101,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated scripts to run")
-    ap.add_argument("--timeout", type=float, default=420,
+    ap.add_argument("--timeout", type=float, default=480,
                     help="seconds one benchmark may run before it is recorded as failed")
     ap.add_argument("--no-report", action="store_true")
     args = ap.parse_args()
