@@ -40,6 +40,7 @@ _LAZY = {
     "Array": "client.array", "put": "client.array", "wait": "client.array",
     "Program": "client.program", "program": "client.program",
     "Graph": "client.graph", "graph": "client.graph",
+    "Profile": "client.profile", "profile": "client.profile",
     "Device": "client.runtime", "Slice": "client.runtime", "devices": "client.runtime",
     "dispatch_mode": "client.runtime", "init": "client.runtime",
     "is_initialized": "client.runtime", "shutdown": "client.runtime",
@@ -52,7 +53,8 @@ _LAZY = {
 
 __all__ = [
     "init", "shutdown", "is_initialized", "devices", "slice", "put", "wait", "program",
-    "graph", "dispatch_mode", "P", "Array", "Slice", "Device", "Program", "Graph",
+    "graph", "dispatch_mode", "profile", "P", "Array", "Slice", "Device", "Program", "Graph",
+    "Profile",
     "Trainer", "DataParallel", "FullyShardedDataParallel", "TensorParallel", "Pipeline",
     "MultiIsland",
     "PathwaysError", "NotInitializedError", "ClusterShutdownError", "ResourceExhaustedError",

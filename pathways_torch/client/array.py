@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .. import tracing
 from ..errors import PlacementError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
@@ -144,6 +145,7 @@ def put(value: Union[torch.Tensor, np.ndarray], slice_: "runtime.Slice", spec=No
         value = torch.from_numpy(value)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"pw.put takes a torch.Tensor or numpy array, got {type(value).__name__}")
+    t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
     value = value.detach().cpu()
     spec = as_spec(spec)
     validate_spec(spec, value.shape, slice_.axis_names, slice_.mesh_shape, "pw.put")
@@ -151,6 +153,9 @@ def put(value: Union[torch.Tensor, np.ndarray], slice_: "runtime.Slice", spec=No
     spec_to_proto(spec, msg)
     codec.dtype_name(value.dtype)
     bid, seq = slice_._conn.put(value, msg)
+    if t0:
+        tracing.CLIENT.add("put", "put", t0, buffer_ids=(bid,),
+                           nbytes=value.numel() * value.element_size(), detail=slice_.id)
     return Array(slice_, bid, seq, value.shape, value.dtype, spec.normalized(value.dim()),
                  "pw.put")
 
@@ -158,6 +163,7 @@ def put(value: Union[torch.Tensor, np.ndarray], slice_: "runtime.Slice", spec=No
 def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
     """Move ``a`` to another slice with ``spec``: a SendOp on its slice, a RecvOp on dst."""
     import random
+    t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
     state = runtime.get_state()
     validate_spec(spec, a.shape, dst.axis_names, dst.mesh_shape, "Array.to")
     if state.dispatch == "sequential":
@@ -176,6 +182,10 @@ def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
     same_host = (a.slice.island, a.slice.host) == (dst.island, dst.host)
     a._conn.send(pb.Op(send=pb.SendOp(buffer_id=a._id, dst_data_address=dst.data_address,
                                       transfer_id=tid, same_host=same_host)))
+    if t0:
+        tracing.CLIENT.add("dispatch", "transfer", t0, buffer_ids=(a._id, bid),
+                           transfer_id=tid, nbytes=codec.nbytes(a.dtype, tuple(a.shape)),
+                           detail=f"{a.slice.id} -> {dst.id}")
     return Array(dst, bid, seq, a.shape, a.dtype, spec.normalized(a.ndim),
                  f"a transfer of {a._origin}")
 

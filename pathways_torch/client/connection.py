@@ -17,6 +17,7 @@ from typing import Iterable, List, Optional
 
 import grpc
 
+from .. import tracing
 from ..errors import (CheckpointError, ClusterShutdownError, OutOfMemoryError, ProgramError,
                       TimeoutError, WorkerLostError)
 from ..rpc import codec, grpc_util
@@ -178,6 +179,16 @@ class ExecutorConnection:
         self._check()
 
     def fetch(self, buffer_id: int, after_seq: int, what: str):
+        rec = tracing.CLIENT
+        if not rec.on:
+            return self._fetch(buffer_id, after_seq, what)
+        t0 = rec.now()
+        out = self._fetch(buffer_id, after_seq, what)
+        rec.add("fetch", "fetch", t0, buffer_ids=(buffer_id,),
+                nbytes=out.numel() * out.element_size(), detail=self.slice_id)
+        return out
+
+    def _fetch(self, buffer_id: int, after_seq: int, what: str):
         self._check()
         t = self.timeout
         try:
@@ -196,6 +207,14 @@ class ExecutorConnection:
         return codec.from_bytes(data, meta.dtype, meta.shape)
 
     def wait(self, buffer_ids: List[int], after_seq: int, what: str) -> None:
+        rec = tracing.CLIENT
+        t0 = rec.now() if rec.on else 0
+        try:
+            self._wait(buffer_ids, after_seq, what)
+        finally:
+            rec.add("wait", "wait", t0, buffer_ids=buffer_ids, detail=self.slice_id)
+
+    def _wait(self, buffer_ids: List[int], after_seq: int, what: str) -> None:
         self._check()
         t = self.timeout
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, Optional
 
+from .. import tracing
 from ..errors import PathwaysError
 from ..rpc import pathways_pb2 as pb
 
@@ -80,6 +81,7 @@ class Graph:
             self._keep.clear()
             return
         state = runtime.get_state()
+        t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
         conns = list(self._ops)
         slice_ids = [c.slice_id for c in conns]
         with _submit_lock:
@@ -89,6 +91,9 @@ class Graph:
                 self._cells[conn].value = conn.send(pb.Op(gang=gang), direct=True)
                 self.positions[conn.slice_id] = pos
         self._keep.clear()
+        if t0:
+            tracing.CLIENT.add("dispatch", "graph", t0, detail=", ".join(
+                f"{sid}@{p}" for sid, p in self.positions.items()))
 
     def __enter__(self) -> "Graph":
         if current() is not None:

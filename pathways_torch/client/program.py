@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from .. import tracing
 from ..errors import PlacementError, ShardingError, TraceError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
@@ -69,6 +70,18 @@ class Program:
 
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
+        rec = tracing.CLIENT
+        if not rec.on:
+            return self._call(args, kwargs)
+        t0 = rec.now()
+        out = self._call(args, kwargs)
+        arrays = [a for a in pytree.tree_leaves(out) if isinstance(a, Array)]
+        rec.add("dispatch", self.name, t0, program=self.name,
+                buffer_ids=[a._id for a in arrays],
+                detail=arrays[0].slice.id if arrays else "")
+        return out
+
+    def _call(self, args, kwargs):
         state = runtime.get_state()
         leaves, tree = pytree.tree_flatten((args, kwargs))
         donated_leaves = self._donated_leaves(args)
@@ -97,8 +110,10 @@ class Program:
         key = (repr(tree), tuple(key_parts))
         traced = self._traces.get(key)
         if traced is None:
+            t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
             traced = self._trace(leaves, tree, dyn_pos, avals)
             self._traces[key] = traced
+            tracing.CLIENT.add("trace", self.name, t0, program=self.name)
 
         inputs, donate = [], []
         for i in dyn_pos:
@@ -218,7 +233,10 @@ class Program:
                 spec_to_proto(spec or P(), req.input_specs.add())
             for spec in out_specs or ():
                 spec_to_proto(spec, req.out_specs.add())
+            t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
             rep = slice_._conn.compile(req, self.name)
+            tracing.CLIENT.add("compile", self.name, t0, program=self.name,
+                               detail=slice_.id)
             specs = [spec_from_proto(s) if known else None
                      for s, known in zip(rep.out_specs, rep.out_spec_known)]
             specs = [s.normalized(len(shape)) if s is not None else None

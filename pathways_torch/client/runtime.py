@@ -81,6 +81,9 @@ class Slice:
         """Free the slice's devices; its Arrays become unusable."""
         if self._conn.closed:
             return
+        prof = self._state.profile
+        if prof is not None:
+            prof._detach(self)          # collect its spans while it still exists
         self._conn.close()
         self._state.release_slice(self)
 
@@ -116,6 +119,7 @@ class _State:
         self.stub = None
         self._session = None
         self._session_thread = None
+        self.profile = None             # the open pw.profile(), if any
 
     @property
     def initialized(self) -> bool:
@@ -196,6 +200,9 @@ class _State:
         s = Slice(self, rep, mesh_shape, axis_names)
         with self.lock:
             self.slices.append(s)
+        prof = self.profile
+        if prof is not None:
+            prof._attach(s)
         return s
 
     def release_slice(self, s: Slice) -> None:

@@ -11,7 +11,7 @@ import uuid
 
 import grpc
 
-from .. import _proc
+from .. import _proc, tracing
 from ..rpc import grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
@@ -31,6 +31,9 @@ class CoordinatorService(pbg.CoordinatorServicer):
         self._workers: dict = {}           # worker_id -> Worker stub
         self._sessions: dict = {}          # client_id -> (name, share)
         self._lock = threading.Lock()
+        self.rec = tracing.Recorder(tracing.skew_from_env())
+        # profile session -> {worker_id: (agent session, clock samples at start)}
+        self._profiles: dict = {}
 
     # -- workers
     def RegisterWorker(self, request, context):
@@ -44,6 +47,10 @@ class CoordinatorService(pbg.CoordinatorServicer):
         stub = pbg.WorkerStub(grpc_util.channel(request.address))
         with self._lock:
             self._workers[h.worker_id] = stub
+        if self.rec.on:
+            t = self.rec.now()
+            self.rec.add("session", "worker registered", t, t,
+                         detail=f"island {h.island} host {h.host} ({h.worker_id})")
         log.info("worker %s registered: island %d host %d, %d %s devices at %s",
                  h.worker_id, h.island, h.host, h.num_devices, h.kind, h.address)
         closed = threading.Event()
@@ -75,6 +82,10 @@ class CoordinatorService(pbg.CoordinatorServicer):
         done = threading.Event()
         with self._lock:
             self._sessions[client_id] = (request.name, request.share or 1.0)
+        if self.rec.on:
+            t = self.rec.now()
+            self.rec.add("session", "session opened", t, t,
+                         detail=f"{client_id} ({request.name})")
 
         def on_close():
             done.set()
@@ -85,13 +96,23 @@ class CoordinatorService(pbg.CoordinatorServicer):
         done.wait()
 
     def _close_session(self, client_id: str) -> None:
+        t0 = self.rec.now() if self.rec.on else 0
         with self._lock:
             self._sessions.pop(client_id, None)
         for rec in self.rm.slices_of(client_id):
             self._free_slice(rec.slice_id)
+        self.rec.add("session", "session closed", t0, detail=client_id)
         log.info("session %s closed", client_id)
 
     def AllocateSlice(self, request, context):
+        t0 = self.rec.now() if self.rec.on else 0
+        reply = self._allocate_slice(request, context)
+        self.rec.add("rpc", "AllocateSlice", t0,
+                     detail=f"{reply.slice_id} on island {reply.island} host {reply.host}, "
+                     f"mesh {list(request.mesh_shape)}")
+        return reply
+
+    def _allocate_slice(self, request, context):
         with self._lock:
             session = self._sessions.get(request.client_id)
         if session is None:
@@ -130,6 +151,12 @@ class CoordinatorService(pbg.CoordinatorServicer):
         return reply
 
     def ReleaseSlice(self, request, context):
+        t0 = self.rec.now() if self.rec.on else 0
+        reply = self._release_slice(request, context)
+        self.rec.add("rpc", "ReleaseSlice", t0, detail=request.slice_id)
+        return reply
+
+    def _release_slice(self, request, context):
         rec = self.rm.slices.get(request.slice_id)
         if rec is None:
             return pb.Empty()
@@ -148,8 +175,61 @@ class CoordinatorService(pbg.CoordinatorServicer):
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"slice {sid} is not one of this client's slices")
             recs.append(rec)
+        t0 = self.rec.now() if self.rec.on else 0
         positions, seqs = self.scheduler.schedule(recs)
+        self.rec.add("rpc", "Schedule", t0, detail=", ".join(
+            f"{sid}@{p}" for sid, p in zip(request.slice_ids, positions)))
         return pb.ScheduleReply(positions=positions, slice_seqs=seqs)
+
+    # -- profiling
+    def Profile(self, request, context):
+        """The coordinator's spans and, through it, every worker agent's."""
+        reply = tracing.serve_profile(pb, self.rec, request, "coordinator",
+                                      self._collect_agents)
+        if request.action == pb.ProfileRequest.START:
+            self._start_agents(reply.session)
+        return reply
+
+    def _agent_call(self, stub, action, session=0):
+        return stub.Profile(pb.ProfileRequest(action=action, session=session), timeout=30)
+
+    def _start_agents(self, session: int) -> None:
+        with self._lock:
+            workers = dict(self._workers)
+        started = {}
+        for wid, stub in workers.items():
+            try:
+                samples = tracing.sample_clock(
+                    lambda: self._agent_call(stub, pb.ProfileRequest.CLOCK), self.rec.now)
+                rep = self._agent_call(stub, pb.ProfileRequest.START)
+                started[wid] = (rep.session, samples)
+            except grpc.RpcError as e:
+                log.warning("profiling: worker %s did not start: %s", wid, e.details())
+        with self._lock:
+            self._profiles[session] = started
+
+    def _collect_agents(self, session: int) -> list:
+        """Stop the agents' sessions and put their spans on this process's clock."""
+        with self._lock:
+            started = self._profiles.pop(session, {})
+            workers = dict(self._workers)
+        out = []
+        for wid, (agent_session, first) in started.items():
+            stub = workers.get(wid)
+            if stub is None:
+                continue
+            try:
+                last = tracing.sample_clock(
+                    lambda: self._agent_call(stub, pb.ProfileRequest.CLOCK), self.rec.now)
+                rep = self._agent_call(stub, pb.ProfileRequest.STOP, agent_session)
+            except grpc.RpcError as e:
+                log.warning("profiling: worker %s did not answer: %s", wid, e.details())
+                continue
+            clock = tracing.ClockMap(first, last)
+            for trace in rep.processes:
+                tracing.shift_trace(trace, clock)
+                out.append(trace)
+        return out
 
     def _free_slice(self, slice_id: str) -> None:
         rec = self.rm.release(slice_id)

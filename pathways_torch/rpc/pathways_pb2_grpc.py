@@ -64,6 +64,11 @@ class CoordinatorStub(object):
                 request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ScheduleRequest.SerializeToString,
                 response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ScheduleReply.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/pathways.Coordinator/Profile',
+                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer(object):
@@ -107,6 +112,14 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """Profiling: the coordinator's own spans plus those of every worker agent (put on
+        the coordinator's clock), see ProfileRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +152,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Schedule,
                     request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ScheduleRequest.FromString,
                     response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ScheduleReply.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.FromString,
+                    response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +331,33 @@ class Coordinator(object):
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.Coordinator/Profile',
+            pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.SerializeToString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class WorkerStub(object):
     """Missing associated documentation comment in .proto file."""
@@ -338,6 +383,11 @@ class WorkerStub(object):
                 request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ExecutorReadyRequest.SerializeToString,
                 response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/pathways.Worker/Profile',
+                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer(object):
@@ -362,6 +412,12 @@ class WorkerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -379,6 +435,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ExecutorReady,
                     request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ExecutorReadyRequest.FromString,
                     response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.Empty.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.FromString,
+                    response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -472,6 +533,33 @@ class Worker(object):
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.Worker/Profile',
+            pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.SerializeToString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ExecutorStub(object):
     """Missing associated documentation comment in .proto file."""
@@ -506,6 +594,11 @@ class ExecutorStub(object):
                 '/pathways.Executor/Stats',
                 request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.StatsReply.FromString,
+                _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/pathways.Executor/Profile',
+                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.FromString,
                 _registered_method=True)
 
 
@@ -543,6 +636,14 @@ class ExecutorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """Profiling; STOP comes after a barrier on the Dispatch stream, so the spans of every
+        op the client had sent are in the reply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -570,6 +671,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.StatsRequest.FromString,
                     response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.StatsReply.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.FromString,
+                    response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -707,6 +813,33 @@ class Executor(object):
             '/pathways.Executor/Stats',
             pathways__torch_dot_rpc_dot_pathways__pb2.StatsRequest.SerializeToString,
             pathways__torch_dot_rpc_dot_pathways__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.Executor/Profile',
+            pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.SerializeToString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,6 +92,7 @@ def _kill_and_wait(pid: int, timeout: float = 5.0) -> None:
 def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: str,
                   arbiter_path: str):
     import grpc
+    from .. import tracing
     from ..rpc import pathways_pb2 as pb
     from ..rpc import pathways_pb2_grpc as pbg
 
@@ -101,8 +102,21 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
             self._lock = threading.Lock()
             self._pending: dict = {}     # slice_id -> (Event, [reply])
             self.executors: dict = {}    # slice_id -> pid
+            self.rec = tracing.Recorder(tracing.skew_from_env())
+
+        def Profile(self, request, context):
+            return tracing.serve_profile(pb, self.rec, request,
+                                         f"worker island {island} host {host}")
 
         def StartExecutor(self, request, context):
+            t0 = self.rec.now() if self.rec.on else 0
+            reply = self._start_executor(request, context)
+            self.rec.add("rpc", "StartExecutor", t0,
+                         detail=f"{request.slice_id}: fork from the zygote until it serves, "
+                         f"pid {reply.pid}")
+            return reply
+
+        def _start_executor(self, request, context):
             ev, box = threading.Event(), []
             with self._lock:
                 if request.slice_id in self.executors or request.slice_id in self._pending:
@@ -138,10 +152,12 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
             return pb.Empty()
 
         def StopExecutor(self, request, context):
+            t0 = self.rec.now() if self.rec.on else 0
             with self._lock:
                 pid = self.executors.pop(request.slice_id, None)
             if pid is not None:
                 _kill_and_wait(pid)
+            self.rec.add("rpc", "StopExecutor", t0, detail=request.slice_id)
             return pb.Empty()
 
         def stop_all(self) -> None:

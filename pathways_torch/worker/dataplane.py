@@ -56,7 +56,8 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 class DataPlane:
     """Listens for incoming transfers and sends outgoing ones (a small thread pool)."""
 
-    def __init__(self, bind_host: str) -> None:
+    def __init__(self, bind_host: str, recorder=None) -> None:
+        self.rec = recorder             # a tracing.Recorder (spans while profiling)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((bind_host, 0))
@@ -70,6 +71,8 @@ class DataPlane:
         self.bytes_received = 0
         self.bytes_sent = 0
         self.recv_seconds = 0.0
+        self._inflight = 0              # send_async jobs queued or running
+        self._idle = threading.Condition()
         self._closed = False
         threading.Thread(target=self._accept, name="pw-data-accept", daemon=True).start()
 
@@ -77,15 +80,21 @@ class DataPlane:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="pw-data-recv",
-                             daemon=True).start()
+            # one thread per connection, named after it (a lane of its own in a profile)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name="pw-data-recv %s:%d" % peer[:2]).start()
 
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(HEADER.size)
+        rec = self.rec
+        try:
+            peer = "%s:%d" % conn.getpeername()[:2]
+        except OSError:
+            peer = ""
         try:
             while True:
                 try:
@@ -108,6 +117,12 @@ class DataPlane:
                     _recv_exact(conn, memoryview(payload))
                     arrival = Arrival(payload=payload, nbytes=nbytes)
                 arrival.seconds = time.perf_counter() - t0
+                if rec is not None and rec.on:
+                    end = rec.now()
+                    rec.add("transfer", "recv", end - int(arrival.seconds * 1e9), end,
+                            nbytes=nbytes, peer=peer, transfer_id=tid,
+                            detail="error frame" if flags & FLAG_ERROR else
+                            "shared memory" if flags & FLAG_SHM else "socket")
                 with self._cond:
                     self.bytes_received += nbytes
                     self.recv_seconds += arrival.seconds
@@ -145,7 +160,30 @@ class DataPlane:
     # ------------------------------------------------------------------ send
     def send_async(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the sender pool (it waits for its producer there)."""
-        self._pool.submit(fn, *args)
+        with self._idle:
+            self._inflight += 1
+        try:
+            self._pool.submit(self._run_send, fn, args)
+        except RuntimeError:        # the pool is shut down
+            self._done_send()
+            raise
+
+    def _run_send(self, fn, args) -> None:
+        try:
+            fn(*args)
+        finally:
+            self._done_send()
+
+    def _done_send(self) -> None:
+        with self._idle:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no send is queued or running (at most ``timeout`` s)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._inflight, timeout)
 
     def _conn(self, address: str) -> Tuple[socket.socket, threading.Lock]:
         with self._conns_lock:
@@ -161,6 +199,8 @@ class DataPlane:
     def send(self, address: str, transfer_id: int, payload: Optional[memoryview],
              error: Optional[bytes] = None, same_host: bool = False) -> None:
         """Send one frame; ``payload`` is the raw bytes (None with ``error``)."""
+        rec = self.rec
+        t0 = rec.now() if rec is not None and rec.on else 0
         if error is not None:
             frames = [HEADER.pack(MAGIC, transfer_id, FLAG_ERROR, 0, len(error)), error]
             nbytes = 0
@@ -185,6 +225,10 @@ class DataPlane:
             sock.close()
             raise
         self.bytes_sent += nbytes
+        if t0:
+            rec.add("transfer", "send", t0, nbytes=nbytes, peer=address,
+                    transfer_id=transfer_id, detail="error frame" if error is not None else
+                    "shared memory" if same_host and SHM_DIR is not None else "socket")
 
     def close(self) -> None:
         self._closed = True

@@ -4,7 +4,9 @@ It serves the Executor gRPC service: ``Compile`` registers a program (an HLO mod
 traced by the client) and warms XLA's compile cache with placeholders; ``Dispatch`` is
 the client's ordered stream of puts, executions, releases and barriers, run one after
 another by a single execution thread (so every op runs in the order the client sent
-it); ``Fetch`` and ``Wait`` block on the object store.
+it); ``Fetch`` and ``Wait`` block on the object store. ``Profile`` opens and closes a
+``pw.profile()`` session: while one is open, every op records spans (``tracing``) and
+executions run to completion, so their spans are device time.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import traceback
 import warnings
 from concurrent.futures import Future
 
+from .. import tracing
 from ..rpc import codec
 from ..sharding import P, spec_candidates, spec_from_proto, spec_to_proto
 from .store import Entry
@@ -114,7 +117,10 @@ class ExecutorService(_make_servicer_base()):
         self.compiles = 0
         self._spec_strings: dict = {}
         self._puts: dict = {}           # buffer id -> (meta, spec, [chunks]) while chunked
-        self.dataplane = DataPlane(req["bind_host"])
+        # Spans for pw.profile(); recorded only while a profile is open.
+        self.rec = tracing.Recorder(tracing.skew_from_env())
+        self.process_name = f"executor {self.where} slice {self.slice_id}"
+        self.dataplane = DataPlane(req["bind_host"], self.rec)
         self.transfer_timeout = 600.0
         self.budget = _memory_budget()
         from .arbiter import connect
@@ -186,7 +192,8 @@ class ExecutorService(_make_servicer_base()):
     # ------------------------------------------------------------------ RPCs
     def Compile(self, request, context):
         fut: Future = Future()
-        self._queue.put(("compile", request, fut))
+        rec = self.rec
+        self._queue.put(("compile", request, fut, rec.now() if rec.on else 0))
         try:
             return fut.result()
         except Exception as e:
@@ -197,16 +204,19 @@ class ExecutorService(_make_servicer_base()):
                           f"failed: {e}")
 
     def Dispatch(self, request_iterator, context):
+        rec = self.rec
+
         def pump():
             index = 0
             try:
                 for batch in request_iterator:
+                    t = rec.now() if rec.on else 0    # queue spans start on arrival
                     for op in batch.ops:
                         if op.WhichOneof("kind") != "release":
                             index += 1
-                            self._queue.put(("op", op, index))
+                            self._queue.put(("op", op, index, t))
                         else:
-                            self._queue.put(("op", op, 0))
+                            self._queue.put(("op", op, 0, t))
             except Exception:
                 pass
             finally:
@@ -220,6 +230,19 @@ class ExecutorService(_make_servicer_base()):
             yield ev
 
     def Fetch(self, request, context):
+        rec = self.rec
+        t0 = rec.now() if rec.on else 0
+        nbytes = 0
+        try:
+            for chunk in self._fetch(request):
+                nbytes += len(chunk.data)
+                yield chunk
+        finally:
+            if t0:
+                rec.add("fetch", "fetch", t0, buffer_ids=(request.buffer_id,),
+                        nbytes=nbytes)
+
+    def _fetch(self, request):
         pb = self.pb
         timeout = request.timeout_s or 600.0
         try:
@@ -256,6 +279,15 @@ class ExecutorService(_make_servicer_base()):
             yield pb.FetchChunk(meta=meta if i == 0 else None, data=bytes(part))
 
     def Wait(self, request, context):
+        rec = self.rec
+        t0 = rec.now() if rec.on else 0
+        try:
+            return self._wait(request)
+        finally:
+            if t0:
+                rec.add("wait", "wait", t0, buffer_ids=request.buffer_ids)
+
+    def _wait(self, request):
         pb = self.pb
         timeout = request.timeout_s or 600.0
         deadline = time.monotonic() + timeout
@@ -300,13 +332,22 @@ class ExecutorService(_make_servicer_base()):
             busy_seconds=self.arbiter.busy_seconds if self.arbiter else 0.0,
             shared=self.arbiter is not None)
 
+    def Profile(self, request, context):
+        if request.action == self.pb.ProfileRequest.STOP:
+            # The client sent STOP after a barrier: every op it had dispatched ran. Sends
+            # run on the sender pool; let those already under way finish and record.
+            self.dataplane.wait_idle(2.0)
+        return tracing.serve_profile(self.pb, self.rec, request, self.process_name)
+
     # ------------------------------------------------------------------ execution thread
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            kind, msg, index = item
+            kind, msg, index, t_in = item
+            if t_in:
+                self._queued(kind, msg, index, t_in)
             if kind == "compile":
                 fut = index
                 try:
@@ -317,11 +358,27 @@ class ExecutorService(_make_servicer_base()):
                 continue
             self._process(index, msg)
 
+    def _queued(self, kind: str, msg, index, t_in: int) -> None:
+        """Record how long an op waited between its arrival and its start (profiling)."""
+        program, which = "", kind
+        if kind == "op":
+            which = msg.WhichOneof("kind")
+            if which == "release":
+                return
+            if which == "execute":
+                prog = self.programs.get(msg.execute.program_id)
+                program = prog.name if prog is not None else ""
+        else:
+            program = msg.name
+        self.rec.add("queue", program or which, t_in, detail=which, program=program)
+
     def _process(self, index: int, op) -> None:
         which = op.WhichOneof("kind")
         try:
             if which == "gang":
                 g = op.gang
+                rec = self.rec
+                t0 = rec.now() if rec.on else 0
                 if g.slice_seq > 0:
                     if g.slice_seq != self._gang_next:   # the client enqueues in order
                         log.error("gang op %d arrived, expected %d", g.slice_seq,
@@ -330,6 +387,9 @@ class ExecutorService(_make_servicer_base()):
                     self.gang_positions.append(g.position)
                 for inner in g.ops:
                     self._one(inner)
+                if t0:
+                    rec.add("gang", "gang", t0,
+                            detail=f"island position {g.position}, {len(g.ops)} ops")
             else:
                 self._one(op)
         except Exception:  # never let one op kill the stream
@@ -354,19 +414,34 @@ class ExecutorService(_make_servicer_base()):
         elif which == "barrier":
             self._events.put(self.pb.DispatchEvent(barrier=op.barrier.token))
         elif which == "save":
+            t0 = self.rec.now() if self.rec.on else 0
             self._save(op.save)
+            self.rec.add("checkpoint", "save", t0, buffer_ids=op.save.buffer_ids,
+                         detail=op.save.path)
         elif which == "load":
+            t0 = self.rec.now() if self.rec.on else 0
             self._load(op.load)
+            self.rec.add("checkpoint", "load", t0, buffer_ids=op.load.buffer_ids,
+                         detail=op.load.path)
 
     # ------------------------------------------------------------------ transfers
     def _resolve(self, entry) -> None:
         """Turn a received transfer into a device buffer (waits for its bytes)."""
         if entry.pending is None:
             return
+        rec = self.rec
+        t0 = rec.now() if rec.on else 0
+        r = entry.pending
+        if self._resolve_now(entry) and t0:
+            rec.add("transfer", "recv to device", t0, transfer_id=r.transfer_id,
+                    nbytes=entry.nbytes,
+                    detail="waits for the bytes, then host to device (resharded)")
+
+    def _resolve_now(self, entry) -> bool:
         with self._resolve_lock:
             r = entry.pending
             if r is None:
-                return
+                return False
             arrival = self.dataplane.take(r.transfer_id, self.transfer_timeout)
             try:
                 if arrival is None:
@@ -400,6 +475,7 @@ class ExecutorService(_make_servicer_base()):
                 if arrival is not None and hasattr(arrival.payload, "close"):
                     arrival.payload.close()
                 entry.pending = None
+        return True
 
     def _send(self, op) -> None:
         entry = self.store.get(op.buffer_id)
@@ -410,6 +486,8 @@ class ExecutorService(_make_servicer_base()):
 
     def _send_now(self, entry, op) -> None:
         payload, error = None, None
+        rec = self.rec
+        t0 = rec.now() if rec.on else 0
         try:
             self._resolve(entry)
             if entry.error is not None:
@@ -427,6 +505,11 @@ class ExecutorService(_make_servicer_base()):
             what = f"program '{entry.origin}'" if entry.origin else "a transfer"
             error = self._err("program", f"{what} failed on {self.where}: {e}",
                               entry.origin).SerializeToString()
+        if t0:
+            rec.add("transfer", "read for send", t0, program=entry.origin,
+                    buffer_ids=(op.buffer_id,), transfer_id=op.transfer_id,
+                    nbytes=len(payload) if payload is not None else 0,
+                    detail="waits for the producer, then device to host")
         try:
             self.dataplane.send(op.dst_data_address, op.transfer_id, payload, error,
                                 op.same_host)
@@ -488,6 +571,11 @@ class ExecutorService(_make_servicer_base()):
         self.programs[req.program_id] = prog
         self.compiles += 1
         reply.compile_s = time.perf_counter() - t0
+        rec = self.rec
+        if rec.on:
+            end = rec.now()
+            rec.add("compile", req.name, end - int(reply.compile_s * 1e9), end,
+                    program=req.name)
         return reply
 
     def _run(self, prog: _Program, inputs):
@@ -533,12 +621,18 @@ class ExecutorService(_make_servicer_base()):
             for k in donated:
                 self.store.donate(entries[k])
             self._mark_donated(inputs, donated)
+        rec = self.rec
+        t0 = rec.now() if rec.on else 0
         if err is None:
             try:
                 if self.arbiter is not None:
                     with self.arbiter.grant(more=lambda: not self._queue.empty()):
                         outs = self._run(prog, inputs)
                         self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+                elif t0:
+                    # Profiling: run to completion, so the span is the device time.
+                    outs = self._run(prog, inputs)
+                    self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
                 else:
                     outs = self._run(prog, inputs)
                     # Asynchronous: the next op's host work overlaps this execution (~30
@@ -552,6 +646,9 @@ class ExecutorService(_make_servicer_base()):
             except Exception as e:
                 err = self._err("program", f"program '{prog.name}' failed on {self.where}: "
                                 f"{type(e).__name__}: {e}", prog.name)
+        if t0:
+            rec.add("execute", prog.name, t0, program=prog.name, buffer_ids=op.outputs,
+                    detail=f"failed: {err.message}" if err is not None else "")
         if err is not None:
             for b in op.outputs:
                 self.store.put(b, Entry(error=err))
@@ -576,6 +673,16 @@ class ExecutorService(_make_servicer_base()):
                 "raise the budget (PATHWAYS_MEMORY_BUDGET, bytes)")
 
     def _put(self, op) -> None:
+        rec = self.rec
+        if rec.on:
+            t0 = rec.now()
+            self._put_now(op)
+            rec.add("put", "put", t0, buffer_ids=(op.buffer_id,), nbytes=len(op.data),
+                    detail="" if op.last else "chunk")
+        else:
+            self._put_now(op)
+
+    def _put_now(self, op) -> None:
         parts = self._puts.get(op.buffer_id)
         if not op.last:
             if parts is None:
