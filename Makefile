@@ -26,7 +26,7 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	touch $(BENCH_STAMP)
 
 # Every benchmark, each against its baseline in the same run; writes bench/results.json
-# and regenerates docs/evaluation.md with its plots (bench/report.py). About 10 minutes.
+# and regenerates docs/evaluation.md with its plots (bench/report.py). 8-15 minutes on 2 cores.
 bench: $(BENCH_STAMP)
 	$(PY) bench/run_all.py
 
