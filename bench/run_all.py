@@ -40,7 +40,8 @@ BENCHES = [
      ["--hosts", "4", "--stages", "1,2,4", "--chains", "5", "--runs", "1",
       "--no-ray"]),
     ("dcn.py", ["--runs", "5", "--mib", "64"], ["--runs", "2", "--mib", "16"]),
-    ("train.py", ["--runs", "2", "--steps", "10"], ["--runs", "1", "--steps", "5"]),
+    ("train.py", ["--runs", "2", "--steps", "10", "--batches", "64,16"],
+     ["--runs", "1", "--steps", "5", "--batches", "64,16"]),
 ]
 
 # Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.
