@@ -112,7 +112,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated scripts to run")
-    ap.add_argument("--timeout", type=float, default=480,
+    ap.add_argument("--timeout", type=float, default=720,
                     help="seconds one benchmark may run before it is recorded as failed")
     ap.add_argument("--no-report", action="store_true")
     args = ap.parse_args()
