@@ -109,11 +109,16 @@ class ResourceManager:
         with self._lock:
             hosts = [h for h in self.hosts.values() if not h.lost]
             if island is not None:
-                if island not in {h.island for h in hosts}:
-                    islands = sorted({h.island for h in hosts})
+                if island not in {h.island for h in self.hosts.values()}:
+                    islands = sorted({h.island for h in self.hosts.values()})
                     raise AllocationError(
                         f"island {island} does not exist; islands are {islands}", "invalid")
                 hosts = [h for h in hosts if h.island == island]
+                if not hosts:
+                    raise AllocationError(
+                        f"every host of island {island} is lost (its worker died or cannot "
+                        "reach the coordinator); use another island, or restart the worker "
+                        "and it registers again", "exhausted")
             if not hosts:
                 raise AllocationError("no worker has registered yet", "exhausted")
             biggest = max(h.num_devices for h in hosts)

@@ -1,0 +1,57 @@
+"""Faults with real processes and real signals: a worker killed with SIGKILL."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch.client import runtime
+
+
+@pytest.fixture()
+def two_islands():
+    pw.init(islands=2, devices_per_host=2, timeout=60)
+    try:
+        yield runtime._state.cluster
+    finally:
+        pw.shutdown()
+
+
+def worker_pid(cluster, island):
+    for p in cluster.procs:
+        if "pathways_torch.worker" in p.args and p.args[p.args.index("--island") + 1] == \
+                str(island):
+            return p.pid
+    raise AssertionError("no such worker")
+
+
+def test_a_killed_worker_fails_its_arrays_fast_and_the_other_island_goes_on(two_islands):
+    a = pw.slice((2,), island=0)
+    b = pw.slice((2,), island=1)
+
+    @pw.program
+    def double(x):
+        return x * 2
+
+    xa = double(pw.put(torch.ones(4), a))
+    xb = double(pw.put(torch.ones(4), b))
+    assert xa.torch().tolist() == [2.0] * 4
+    os.kill(worker_pid(two_islands, 0), signal.SIGKILL)
+    time.sleep(1.0)               # its executors die with it (parent-death signals)
+    t0 = time.monotonic()
+    with pytest.raises(pw.WorkerLostError, match="island 0 host 0"):
+        double(xa).torch()
+    assert time.monotonic() - t0 < 5.0
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        states = {(d.island, d.state) for d in pw.devices()}
+        if (0, "lost") in states:
+            break
+        time.sleep(0.1)
+    assert {d.state for d in pw.devices() if d.island == 0} == {"lost"}
+    with pytest.raises(pw.ResourceExhaustedError, match="island 0 is lost"):
+        pw.slice((2,), island=0)                  # lost devices are not handed out
+    assert double(xb).torch().tolist() == [4.0] * 4   # island 1 is untouched
