@@ -70,3 +70,11 @@ def in_process_chain_us(steps: int) -> float:
     dt = time.perf_counter() - t0
     assert float(y[0, 0]) == steps
     return dt / steps * 1e6
+
+
+def ray_init():
+    """Start a local Ray for a baseline (2 CPUs, quiet); the caller calls ray.shutdown()."""
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    return ray

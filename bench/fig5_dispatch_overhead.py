@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import emit, in_process_chain_us, median
+from common import emit, in_process_chain_us, median, ray_init
 
 import torch  # noqa: E402
 
@@ -85,8 +85,7 @@ def ray_chain(steps: int):
         import ray
     except ImportError:
         return None
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    ray_init()
     try:
         @ray.remote
         class Stepper:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import emit, median
+from common import emit, median, ray_init
 
 import torch  # noqa: E402
 
@@ -60,8 +60,7 @@ def ray_chains(hosts: int, ks, chains: int, runs: int):
         import ray
     except ImportError:
         return None
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    ray_init()
     try:
         @ray.remote(num_cpus=0)
         class Stage:

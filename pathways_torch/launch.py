@@ -38,9 +38,8 @@ import subprocess
 import sys
 from typing import List, Optional
 
+from .client.cluster import ADDRESS_ENV
 from .rpc import grpc_util
-
-ADDRESS_ENV = "PATHWAYS_ADDRESS"
 
 
 def _env_int(name: str, default: int) -> int:

@@ -74,8 +74,10 @@ def load_arrays(path: str, wanted: Mapping[str, Tuple["runtime.Slice", torch.Siz
                 f"trainer expects {dtype}{list(shape)}; was it saved from another model?")
         spec = as_spec(spec)
         validate_spec(spec, shape, slice_.axis_names, slice_.mesh_shape, "checkpoint load")
-        runtime.check_alive(slice_)
-        by_slice.setdefault(id(slice_), (slice_, []))[1].append((key, shape, dtype, spec))
+        if id(slice_) not in by_slice:
+            runtime.check_alive(slice_)
+            by_slice[id(slice_)] = (slice_, [])
+        by_slice[id(slice_)][1].append((key, shape, dtype, spec))
     out: Dict[str, Array] = {}
     for slice_, items in by_slice.values():
         conn = slice_._conn

@@ -23,6 +23,9 @@ from ..rpc import grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
 
+#: Where ``pw.init()`` finds a running cluster (``pathways-run`` sets it for its script).
+ADDRESS_ENV = "PATHWAYS_ADDRESS"
+
 
 class LocalCluster:
     """Start ``islands * hosts_per_island`` workers with ``devices_per_host`` devices each.

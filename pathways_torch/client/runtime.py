@@ -22,10 +22,9 @@ from ..errors import (ClusterShutdownError, NotInitializedError, PathwaysError,
 from ..rpc import grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
-from .cluster import LocalCluster
+from .cluster import ADDRESS_ENV, LocalCluster
 from .connection import ExecutorConnection
 
-ADDRESS_ENV = "PATHWAYS_ADDRESS"
 
 
 @dataclasses.dataclass(frozen=True)

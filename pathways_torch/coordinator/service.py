@@ -127,19 +127,21 @@ class CoordinatorService(pbg.CoordinatorServicer):
                     else grpc.StatusCode.INVALID_ARGUMENT)
             context.abort(code, str(e))
         stub = self._workers.get(rec.worker_id)
+        if stub is None:
+            self.rm.release(rec.slice_id)
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"island {rec.island} host {rec.host} is gone; ask again")
         try:
-            if stub is None:
-                raise _Gone()
             rep = stub.StartExecutor(pb.StartExecutorRequest(
                 slice_id=rec.slice_id, device_indices=list(rec.devices),
                 mesh_shape=list(rec.mesh_shape), axis_names=list(rec.axis_names),
                 client_id=request.client_id,
                 share=session[1] if self.rm.per_device > 1 else 0.0), timeout=120)
-        except (grpc.RpcError, _Gone) as e:
+        except grpc.RpcError as e:
             self.rm.release(rec.slice_id)
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"island {rec.island} host {rec.host} could not start an executor "
-                          f"for the slice: {_details(e)}")
+                          f"for the slice: {e.details()}")
         rec.executor_address = rep.address
         reply = pb.AllocateSliceReply(slice_id=rec.slice_id, executor_address=rep.address,
                                       island=rec.island, host=rec.host,
@@ -243,14 +245,6 @@ class CoordinatorService(pbg.CoordinatorServicer):
             stub.StopExecutor(pb.StopExecutorRequest(slice_id=slice_id), timeout=30)
         except grpc.RpcError as e:
             log.warning("stopping executor of %s failed: %s", slice_id, e.details())
-
-
-class _Gone(Exception):
-    pass
-
-
-def _details(e: Exception) -> str:
-    return e.details() if isinstance(e, grpc.RpcError) else "the worker is gone"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -52,8 +52,8 @@ def set_token(value: Optional[str]) -> None:
 
 def is_loopback(host: str) -> bool:
     """Whether binding ``host`` keeps a server reachable from this machine only."""
-    if host in ("localhost", ""):
-        return host == "localhost"
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -77,8 +77,8 @@ class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercep
         self._md = (TOKEN_KEY, value)
 
     def _details(self, d):
-        md = list(d.metadata or []) + [self._md]
-        return d._replace(metadata=md) if hasattr(d, "_replace") else _Details(d, md)
+        # grpc hands interceptors a namedtuple of the call's details
+        return d._replace(metadata=list(d.metadata or []) + [self._md])
 
     def intercept_unary_unary(self, cont, d, request):
         return cont(self._details(d), request)
@@ -91,16 +91,6 @@ class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercep
 
     def intercept_stream_stream(self, cont, d, it):
         return cont(self._details(d), it)
-
-
-class _Details(grpc.ClientCallDetails):
-    def __init__(self, d, metadata) -> None:
-        self.method = d.method
-        self.timeout = d.timeout
-        self.metadata = metadata
-        self.credentials = d.credentials
-        self.wait_for_ready = getattr(d, "wait_for_ready", None)
-        self.compression = getattr(d, "compression", None)
 
 
 class _CheckToken(grpc.ServerInterceptor):
