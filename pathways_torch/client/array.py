@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import tracing
-from ..errors import PlacementError
+from ..errors import OutOfMemoryError, PlacementError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, spec_to_proto, validate_spec
@@ -73,18 +73,22 @@ class Array:
                 f"{self._what()} was donated to program '{self._donated}', which reused its "
                 "memory for its outputs; read those outputs instead")
 
-    def torch(self) -> torch.Tensor:
-        """Block until the value exists and return it as a CPU tensor."""
-        self._check_usable()
-        return self._conn.fetch(self._id, seq_of(self._seq), self._what())
+    def torch(self, timeout: Optional[float] = None) -> torch.Tensor:
+        """Block until the value exists and return it as a CPU tensor.
 
-    def numpy(self) -> np.ndarray:
+        Raises ``pw.TimeoutError`` past ``timeout`` seconds (default: ``pw.init``'s),
+        ``pw.WorkerLostError`` if the worker that holds it (or one it waits on) died.
+        """
+        self._check_usable()
+        return self._conn.fetch(self._id, seq_of(self._seq), self._what(), timeout)
+
+    def numpy(self, timeout: Optional[float] = None) -> np.ndarray:
         """Block until the value exists and return it as a numpy array."""
-        t = self.torch()
+        t = self.torch(timeout)
         return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
-    def item(self):
-        return self.torch().item()
+    def item(self, timeout: Optional[float] = None):
+        return self.torch(timeout).item()
 
     def __float__(self) -> float:
         return float(self.item())
@@ -92,9 +96,9 @@ class Array:
     def __int__(self) -> int:
         return int(self.item())
 
-    def wait(self) -> "Array":
+    def wait(self, timeout: Optional[float] = None) -> "Array":
         """Block until the value exists (raises the program's error if it failed)."""
-        wait([self])
+        wait([self], timeout)
         return self
 
     def to(self, slice_: "runtime.Slice", spec=None) -> "Array":
@@ -152,12 +156,38 @@ def put(value: Union[torch.Tensor, np.ndarray], slice_: "runtime.Slice", spec=No
     msg = pb.Spec()
     spec_to_proto(spec, msg)
     codec.dtype_name(value.dtype)
+    _check_budget(value, spec, slice_)
     bid, seq = slice_._conn.put(value, msg)
     if t0:
         tracing.CLIENT.add("put", "put", t0, buffer_ids=(bid,),
                            nbytes=value.numel() * value.element_size(), detail=slice_.id)
     return Array(slice_, bid, seq, value.shape, value.dtype, spec.normalized(value.dim()),
                  "pw.put")
+
+
+def _check_budget(value: torch.Tensor, spec: P, slice_: "runtime.Slice") -> None:
+    """Refuse at once a put that cannot fit in the slice's per-device budget, ever."""
+    budget = slice_.memory_budget
+    if not budget:
+        return
+    shards = 1
+    for d in range(len(spec)):
+        for axis in spec.axes(d):
+            shards *= slice_.axis_size(axis)
+    per_device = value.numel() * value.element_size() // shards
+    if per_device <= budget:
+        return
+    try:
+        free = f"{max(0, budget - slice_.stats(sync=False).device_bytes) / 2**20:.1f} MiB"
+    except Exception:
+        free = "unknown"
+    raise OutOfMemoryError(
+        f"pw.put of a {str(value.dtype).replace('torch.', '')}{list(value.shape)} tensor "
+        f"asks {per_device / 2**20:.1f} MiB per device, more than the whole per-device "
+        f"buffer budget of {budget / 2**20:.1f} MiB of {slice_!r} ({free} free now); shard "
+        "it over more devices (a partition spec), use a bigger slice, or raise the "
+        "budget (pw.init(memory_budget=...))", host=f"island {slice_.island} host "
+        f"{slice_.host}")
 
 
 def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
@@ -178,7 +208,9 @@ def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
     bid = dst_conn.new_id()
     seq = dst_conn.send(pb.Op(recv=pb.RecvOp(
         buffer_id=bid, transfer_id=tid, spec=msg,
-        meta=pb.TensorMeta(dtype=codec.dtype_name(a.dtype), shape=list(a.shape)))))
+        meta=pb.TensorMeta(dtype=codec.dtype_name(a.dtype), shape=list(a.shape)),
+        src_data_address=a.slice.data_address,
+        src_host=f"island {a.slice.island} host {a.slice.host}")))
     same_host = (a.slice.island, a.slice.host) == (dst.island, dst.host)
     a._conn.send(pb.Op(send=pb.SendOp(buffer_id=a._id, dst_data_address=dst.data_address,
                                       transfer_id=tid, same_host=same_host)))
@@ -190,13 +222,18 @@ def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
                  f"a transfer of {a._origin}")
 
 
-def wait(arrays: Iterable[Array]) -> None:
+def wait(arrays: Iterable[Array], timeout: Optional[float] = None) -> None:
     """Block until every Array exists; raise the first failure (with its program's name).
+
+    ``timeout`` (seconds, default ``pw.init``'s) bounds the whole call; past it,
+    ``pw.TimeoutError`` says which Array was not ready.
 
     Example::
 
-        pw.wait([y, z])
+        pw.wait([y, z], timeout=30)
     """
+    import time
+    deadline = None if timeout is None else time.monotonic() + timeout
     groups: dict = {}
     for a in arrays:
         if not isinstance(a, Array):
@@ -207,4 +244,5 @@ def wait(arrays: Iterable[Array]) -> None:
         g["ids"].append(a._id)
         g["seq"] = max(g["seq"], seq_of(a._seq))
     for g in groups.values():
-        g["conn"].wait(g["ids"], g["seq"], g["what"])
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        g["conn"].wait(g["ids"], g["seq"], g["what"], left)

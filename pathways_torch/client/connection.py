@@ -18,11 +18,18 @@ from typing import Iterable, List, Optional
 import grpc
 
 from .. import tracing
-from ..errors import (CheckpointError, ClusterShutdownError, OutOfMemoryError, ProgramError,
-                      TimeoutError, WorkerLostError)
+from ..errors import (
+    CheckpointError,
+    ClusterShutdownError,
+    OutOfMemoryError,
+    ProgramError,
+    TimeoutError,
+    WorkerLostError,
+)
 from ..rpc import codec, grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
+from ..rpc.ownership import with_slice_key
 from . import graph as graph_mod
 
 _CLOSE = object()
@@ -33,7 +40,8 @@ _MAX_BATCH_BYTES = 8 << 20
 def raise_buffer_error(err, what: str) -> None:
     """Turn a pb.BufferError into the matching typed exception."""
     if err.kind == "timeout":
-        raise TimeoutError(f"{what}: {err.message}")
+        raise TimeoutError(f"{what}: {err.message} (a longer deadline: timeout=... on the "
+                           "call, or pw.init(timeout=...))")
     if err.kind == "lost":
         raise WorkerLostError(f"{what}: {err.message}")
     if err.kind == "io":
@@ -46,7 +54,8 @@ def raise_buffer_error(err, what: str) -> None:
 
 
 class ExecutorConnection:
-    def __init__(self, address: str, where: str, timeout: float, slice_id: str = "") -> None:
+    def __init__(self, address: str, where: str, timeout: float, slice_id: str = "",
+                 key: str = "") -> None:
         self.address = address
         self.slice_id = slice_id
         self.where = where
@@ -54,7 +63,9 @@ class ExecutorConnection:
         self.closed = False
         self.broken: Optional[str] = None
         self._channel = grpc_util.channel(address)
-        self.stub = pbg.ExecutorStub(self._channel)
+        # Every call carries the slice's key: the executor serves its owner only.
+        ch = with_slice_key(self._channel, key) if key else self._channel
+        self.stub = pbg.ExecutorStub(ch)
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._seq = 0                      # ordered ops queued so far
         self._seq_lock = threading.Lock()
@@ -178,19 +189,20 @@ class ExecutorConnection:
                                f"within {timeout or self.timeout} s")
         self._check()
 
-    def fetch(self, buffer_id: int, after_seq: int, what: str):
+    def fetch(self, buffer_id: int, after_seq: int, what: str,
+              timeout: Optional[float] = None):
         rec = tracing.CLIENT
         if not rec.on:
-            return self._fetch(buffer_id, after_seq, what)
+            return self._fetch(buffer_id, after_seq, what, timeout)
         t0 = rec.now()
-        out = self._fetch(buffer_id, after_seq, what)
+        out = self._fetch(buffer_id, after_seq, what, timeout)
         rec.add("fetch", "fetch", t0, buffer_ids=(buffer_id,),
                 nbytes=out.numel() * out.element_size(), detail=self.slice_id)
         return out
 
-    def _fetch(self, buffer_id: int, after_seq: int, what: str):
+    def _fetch(self, buffer_id: int, after_seq: int, what: str, timeout: Optional[float]):
         self._check()
-        t = self.timeout
+        t = timeout or self.timeout
         try:
             chunks = self.stub.Fetch(pb.FetchRequest(buffer_id=buffer_id, after_seq=after_seq,
                                                      timeout_s=t), timeout=t + 5)
@@ -202,33 +214,36 @@ class ExecutorConnection:
                     meta = c.meta
                 parts.append(c.data)
         except grpc.RpcError as e:
-            raise self._rpc_error(e, what) from None
+            raise self._rpc_error(e, what, t) from None
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         return codec.from_bytes(data, meta.dtype, meta.shape)
 
-    def wait(self, buffer_ids: List[int], after_seq: int, what: str) -> None:
+    def wait(self, buffer_ids: List[int], after_seq: int, what: str,
+             timeout: Optional[float] = None) -> None:
         rec = tracing.CLIENT
         t0 = rec.now() if rec.on else 0
         try:
-            self._wait(buffer_ids, after_seq, what)
+            self._wait(buffer_ids, after_seq, what, timeout)
         finally:
             rec.add("wait", "wait", t0, buffer_ids=buffer_ids, detail=self.slice_id)
 
-    def _wait(self, buffer_ids: List[int], after_seq: int, what: str) -> None:
+    def _wait(self, buffer_ids: List[int], after_seq: int, what: str,
+              timeout: Optional[float]) -> None:
         self._check()
-        t = self.timeout
+        t = timeout or self.timeout
         try:
             rep = self.stub.Wait(pb.WaitRequest(buffer_ids=buffer_ids, after_seq=after_seq,
                                                 timeout_s=t), timeout=t + 5)
         except grpc.RpcError as e:
-            raise self._rpc_error(e, what) from None
+            raise self._rpc_error(e, what, t) from None
         for failed, err in zip(rep.failed, rep.errors):
             if failed:
                 raise_buffer_error(err, what)
 
-    def _rpc_error(self, e: grpc.RpcError, what: str) -> Exception:
+    def _rpc_error(self, e: grpc.RpcError, what: str, t: Optional[float] = None) -> Exception:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return TimeoutError(f"{what}: no answer from {self.where} within {self.timeout} s")
+            return TimeoutError(f"{what}: no answer from {self.where} within "
+                                f"{t or self.timeout} s")
         if self.closed:
             return ClusterShutdownError(f"{what}: the slice was released or the cluster "
                                         "shut down")

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import threading
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import grpc
 
@@ -23,6 +23,7 @@ from ..rpc import grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
 from .cluster import ADDRESS_ENV, LocalCluster
+from ..worker.memory import parse_bytes
 from .connection import ExecutorConnection
 
 
@@ -60,10 +61,12 @@ class Slice:
         self.devices = tuple(Device(d.island, d.host, d.index, d.kind, d.state)
                              for d in reply.devices)
         self.data_address = reply.data_address
+        #: Bytes of buffers the slice's executor may hold at once (see pw.init).
+        self.memory_budget = reply.memory_budget
         self._state = state
         self._conn = ExecutorConnection(reply.executor_address,
                                         f"island {reply.island} host {reply.host}",
-                                        state.timeout, reply.slice_id)
+                                        state.timeout, reply.slice_id, reply.slice_key)
 
     @property
     def size(self) -> int:
@@ -126,14 +129,15 @@ class _State:
 
     def initialize(self, address: Optional[str], islands: int, hosts_per_island: int,
                    devices_per_host: int, timeout: float, name: str, share: float,
-                   devices_shared_by: int) -> None:
+                   devices_shared_by: int, memory_budget: Optional[int] = None) -> None:
         if self.initialized:
             raise PathwaysError("pw.init() was already called; call pw.shutdown() first")
         self.timeout = timeout
         address = address or os.environ.get(ADDRESS_ENV)
         if not address:
             self.cluster = LocalCluster(islands, hosts_per_island, devices_per_host,
-                                        devices_shared_by=devices_shared_by)
+                                        devices_shared_by=devices_shared_by,
+                                        memory_budget=memory_budget)
             address = self.cluster.address
         self.address = address
         try:
@@ -239,7 +243,8 @@ def get_state() -> _State:
 def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: int = 1,
          devices_per_host: Optional[int] = None, timeout: float = 600.0,
          name: str = "", dispatch: str = "parallel", share: float = 1.0,
-         token: Optional[str] = None, devices_shared_by: int = 1) -> None:
+         token: Optional[str] = None, devices_shared_by: int = 1,
+         memory_budget: Optional[Union[int, str]] = None) -> None:
     """Connect this process to a Pathways cluster, starting a local one if needed.
 
     With no ``address`` (and no ``PATHWAYS_ADDRESS`` in the environment, which
@@ -258,6 +263,13 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
     cluster's shared secret (default ``PATHWAYS_TOKEN``), required by clusters that
     listen beyond loopback.
 
+    ``memory_budget`` (bytes, or a string such as ``"6G"``) is each worker's buffer
+    budget in an embedded cluster (default: the workers split 80% of the memory
+    available). Programs whose outputs do not fit yet wait until dropped Arrays free
+    room; a single buffer larger than a device's share fails with ``OutOfMemoryError``.
+    ``timeout`` is the default deadline of every blocking call (``Array.torch``,
+    ``pw.wait``, ...); each also takes its own ``timeout=``.
+
     Example::
 
         pw.init(devices_per_host=8)
@@ -272,7 +284,8 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
     _check_dispatch(dispatch)
     with _state.lock:
         _state.initialize(address, islands, hosts_per_island, devices_per_host, timeout,
-                          name or f"pid{os.getpid()}", share, devices_shared_by)
+                          name or f"pid{os.getpid()}", share, devices_shared_by,
+                          parse_bytes(memory_budget) if memory_budget else None)
         _state.dispatch = dispatch
 
 

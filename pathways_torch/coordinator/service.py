@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import sys
 import threading
 import uuid
@@ -78,7 +79,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
 
     # -- clients
     def OpenSession(self, request, context):
-        client_id = f"c{uuid.uuid4().hex[:12]}"
+        client_id = f"c{uuid.uuid4().hex}"   # unguessable: it proves ownership
         done = threading.Event()
         with self._lock:
             self._sessions[client_id] = (request.name, request.share or 1.0)
@@ -131,11 +132,12 @@ class CoordinatorService(pbg.CoordinatorServicer):
             self.rm.release(rec.slice_id)
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"island {rec.island} host {rec.host} is gone; ask again")
+        key = secrets.token_hex(16)
         try:
             rep = stub.StartExecutor(pb.StartExecutorRequest(
                 slice_id=rec.slice_id, device_indices=list(rec.devices),
                 mesh_shape=list(rec.mesh_shape), axis_names=list(rec.axis_names),
-                client_id=request.client_id,
+                client_id=request.client_id, slice_key=key,
                 share=session[1] if self.rm.per_device > 1 else 0.0), timeout=120)
         except grpc.RpcError as e:
             self.rm.release(rec.slice_id)
@@ -145,7 +147,8 @@ class CoordinatorService(pbg.CoordinatorServicer):
         rec.executor_address = rep.address
         reply = pb.AllocateSliceReply(slice_id=rec.slice_id, executor_address=rep.address,
                                       island=rec.island, host=rec.host,
-                                      data_address=rep.data_address)
+                                      data_address=rep.data_address, slice_key=key,
+                                      memory_budget=rep.memory_budget)
         h = self.rm.hosts[rec.worker_id]
         for d in rec.devices:
             reply.devices.add(island=rec.island, host=rec.host, index=d, kind=h.kind,

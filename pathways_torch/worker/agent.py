@@ -90,7 +90,7 @@ def _kill_and_wait(pid: int, timeout: float = 5.0) -> None:
 
 
 def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: str,
-                  arbiter_path: str):
+                  arbiter_path: str, device_budget: int):
     import grpc
     from .. import tracing
     from ..rpc import pathways_pb2 as pb
@@ -128,7 +128,8 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
                 mesh_shape=list(request.mesh_shape), axis_names=list(request.axis_names),
                 agent_address=self.address, island=island, host=host, kind=kind,
                 bind_host=bind_host, client_id=request.client_id, share=request.share,
-                arbiter=arbiter_path))
+                arbiter=arbiter_path, slice_key=request.slice_key,
+                memory_budget=device_budget))
             ok = ev.wait(120)
             with self._lock:
                 self._pending.pop(request.slice_id, None)
@@ -141,7 +142,8 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
                 context.abort(grpc.StatusCode.INTERNAL,
                               f"the executor failed to start: {box[0].error}")
             return pb.StartExecutorReply(address=box[0].address, pid=box[0].pid,
-                                         data_address=box[0].data_address)
+                                         data_address=box[0].data_address,
+                                         memory_budget=box[0].memory_budget)
 
         def ExecutorReady(self, request, context):
             with self._lock:
@@ -240,6 +242,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bind-host", default="127.0.0.1",
                     help="address the worker and its executors listen on (beyond loopback "
                     "a token is required)")
+    ap.add_argument("--memory-budget", default="",
+                    help="bytes of buffers this host's devices may hold in all, e.g. 48G "
+                    "(default: PATHWAYS_MEMORY_BUDGET, or 80%% of the memory available)")
     ap.add_argument("--register-timeout", type=float, default=120.0,
                     help="give up when the coordinator is not up within this many seconds "
                     "(0: retry forever)")
@@ -272,8 +277,10 @@ def serve(args: argparse.Namespace) -> None:
 
     from .arbiter import ShareArbiter
     arbiter = ShareArbiter()        # after the fork: the zygote must not hold its threads
+    from .memory import default_budget, parse_bytes
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else default_budget()
     service = _make_service(zygote, args.island, args.host, kind, args.bind_host,
-                            arbiter.path)
+                            arbiter.path, max(1, budget // num_devices))
     srv = grpc_util.server(max_workers=32)
     pbg.add_WorkerServicer_to_server(service, srv)
     port = srv.add_insecure_port(f"{args.bind_host}:0")

@@ -53,6 +53,11 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+def _close_payload(arrival: "Arrival") -> None:
+    if hasattr(arrival.payload, "close"):
+        arrival.payload.close()
+
+
 class DataPlane:
     """Listens for incoming transfers and sends outgoing ones (a small thread pool)."""
 
@@ -65,6 +70,7 @@ class DataPlane:
         self.address = f"{bind_host}:{self._sock.getsockname()[1]}"
         self._cond = threading.Condition()
         self._arrived: Dict[int, Arrival] = {}
+        self._discarded: set = set()    # transfers whose bytes are dropped on arrival
         self._conns: Dict[str, Tuple[socket.socket, threading.Lock]] = {}
         self._conns_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pw-send")
@@ -126,8 +132,12 @@ class DataPlane:
                 with self._cond:
                     self.bytes_received += nbytes
                     self.recv_seconds += arrival.seconds
-                    self._arrived[tid] = arrival
-                    self._cond.notify_all()
+                    if tid in self._discarded:
+                        self._discarded.discard(tid)
+                        _close_payload(arrival)
+                    else:
+                        self._arrived[tid] = arrival
+                        self._cond.notify_all()
         except OSError:
             return
         finally:
@@ -154,8 +164,13 @@ class DataPlane:
             return self._arrived.pop(transfer_id)
 
     def discard(self, transfer_id: int) -> None:
+        """Drop a transfer's bytes, now if they arrived, else when they do."""
         with self._cond:
-            self._arrived.pop(transfer_id, None)
+            arrival = self._arrived.pop(transfer_id, None)
+            if arrival is None:
+                self._discarded.add(transfer_id)
+            else:
+                _close_payload(arrival)
 
     # ------------------------------------------------------------------ send
     def send_async(self, fn, *args) -> None:

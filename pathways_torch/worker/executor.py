@@ -11,6 +11,7 @@ executions run to completion, so their spans are device time.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -24,6 +25,7 @@ from concurrent.futures import Future
 from .. import tracing
 from ..rpc import codec
 from ..sharding import P, spec_candidates, spec_from_proto, spec_to_proto
+from .memory import gib
 from .store import Entry
 
 log = logging.getLogger("pathways.executor")
@@ -53,19 +55,20 @@ def run_executor(req: dict) -> None:
         raise
     agent.ExecutorReady(pb.ExecutorReadyRequest(
         slice_id=req["slice_id"], address=f"{req['bind_host']}:{port}", pid=os.getpid(),
-        data_address=service.dataplane.address), timeout=30)
+        data_address=service.dataplane.address, memory_budget=service.budget), timeout=30)
     _proc.serve_until_signal(srv)
     service.stop()
 
 
 class _Program:
     __slots__ = ("name", "xla_name", "comp", "params", "constants", "out_specs", "out_bytes",
-                 "out_nbytes", "out_shards", "donate")
+                 "out_nbytes", "out_shards", "donate", "out_device_bytes")
 
     def __init__(self, name, xla_name, comp, params, constants, out_specs):
         self.donate = ()
         self.out_bytes = 0
         self.out_nbytes = []
+        self.out_device_bytes = 0     # bytes its outputs take on each device
         self.out_shards = []
         self.name = name
         self.xla_name = xla_name
@@ -111,6 +114,7 @@ class ExecutorService(_make_servicer_base()):
         self.mesh = xs.Mesh(np.arange(n), self.mesh_shape, self.axis_names)
         self.where = f"island {req['island']} host {req['host']}"
         self.slice_id = req["slice_id"]
+        self._key = req.get("slice_key", "")
         self.store = ObjectStore()
         self.programs: dict = {}
         self.executed = 0
@@ -122,7 +126,12 @@ class ExecutorService(_make_servicer_base()):
         self.process_name = f"executor {self.where} slice {self.slice_id}"
         self.dataplane = DataPlane(req["bind_host"], self.rec)
         self.transfer_timeout = 600.0
-        self.budget = _memory_budget()
+        from .memory import default_budget
+        # Bytes of buffers each device of the slice may hold (the worker's budget split
+        # over its devices); see _make_room for what happens when outputs do not fit.
+        self.budget = int(req.get("memory_budget") or default_budget())
+        self.backpressure_timeout = float(os.environ.get("PATHWAYS_BACKPRESSURE_TIMEOUT",
+                                                         "120"))
         from .arbiter import connect
         # Shared devices: every execution waits for the host arbiter's grant (and is run
         # to completion inside it, so its device time can be charged to this client).
@@ -132,6 +141,10 @@ class ExecutorService(_make_servicer_base()):
         self._gang_next = 1             # the slice_seq of the next scheduled gang op
         self.gang_positions: list = []  # island positions of the gang ops run, in order
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        # Items taken off the queue early while an op waits for memory (see _make_room).
+        self._ahead: "collections.deque" = collections.deque()
+        self.backpressure_waits = 0     # ops that waited for memory, and for how long
+        self.backpressure_seconds = 0.0
         self._events: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
@@ -190,7 +203,17 @@ class ExecutorService(_make_servicer_base()):
         return None, s
 
     # ------------------------------------------------------------------ RPCs
+    def _authorize(self, context) -> None:
+        """Only the client that owns the slice may call: its calls carry the slice key."""
+        if self._key:
+            from ..rpc.ownership import check_slice_key
+            check_slice_key(
+                context, self._key,
+                f"slice {self.slice_id} on {self.where} belongs to another client (or "
+                "the call lacks the slice key from AllocateSlice)")
+
     def Compile(self, request, context):
+        self._authorize(context)
         fut: Future = Future()
         rec = self.rec
         self._queue.put(("compile", request, fut, rec.now() if rec.on else 0))
@@ -204,6 +227,7 @@ class ExecutorService(_make_servicer_base()):
                           f"failed: {e}")
 
     def Dispatch(self, request_iterator, context):
+        self._authorize(context)
         rec = self.rec
 
         def pump():
@@ -230,6 +254,7 @@ class ExecutorService(_make_servicer_base()):
             yield ev
 
     def Fetch(self, request, context):
+        self._authorize(context)
         rec = self.rec
         t0 = rec.now() if rec.on else 0
         nbytes = 0
@@ -279,6 +304,7 @@ class ExecutorService(_make_servicer_base()):
             yield pb.FetchChunk(meta=meta if i == 0 else None, data=bytes(part))
 
     def Wait(self, request, context):
+        self._authorize(context)
         rec = self.rec
         t0 = rec.now() if rec.on else 0
         try:
@@ -319,6 +345,7 @@ class ExecutorService(_make_servicer_base()):
         return reply
 
     def Stats(self, request, context):
+        self._authorize(context)
         import torch_xla.debug.metrics as met
         alias = met.metric_data("InputOutputAliasCount")
         return self.pb.StatsReply(
@@ -333,6 +360,7 @@ class ExecutorService(_make_servicer_base()):
             shared=self.arbiter is not None)
 
     def Profile(self, request, context):
+        self._authorize(context)
         if request.action == self.pb.ProfileRequest.STOP:
             # The client sent STOP after a barrier: every op it had dispatched ran. Sends
             # run on the sender pool; let those already under way finish and record.
@@ -342,7 +370,7 @@ class ExecutorService(_make_servicer_base()):
     # ------------------------------------------------------------------ execution thread
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self._ahead.popleft() if self._ahead else self._queue.get()
             if item is None:
                 return
             kind, msg, index, t_in = item
@@ -404,11 +432,18 @@ class ExecutorService(_make_servicer_base()):
         elif which == "put":
             self._put(op.put)
         elif which == "release":
-            self.store.release(op.release.buffer_ids)
+            self._release(op.release.buffer_ids)
         elif which == "recv":
             r = op.recv
-            self.store.put(r.buffer_id, Entry(None, None, _nbytes(r.meta), "", r,
-                                              self._shards(spec_from_proto(r.spec))))
+            err = self._room_for(_nbytes(r.meta), r.spec,
+                                 f"the transfer into buffer {r.buffer_id}", {r.buffer_id})
+            if err is not None:
+                # the bytes still arrive; take them off the data socket and drop them
+                self.dataplane.discard(r.transfer_id)
+                self.store.put(r.buffer_id, Entry(error=err))
+            else:
+                self.store.put(r.buffer_id, Entry(None, None, _nbytes(r.meta), "", r,
+                                                  self._shards(spec_from_proto(r.spec))))
         elif which == "send":
             self._send(op.send)
         elif which == "barrier":
@@ -442,9 +477,11 @@ class ExecutorService(_make_servicer_base()):
             r = entry.pending
             if r is None:
                 return False
-            arrival = self.dataplane.take(r.transfer_id, self.transfer_timeout)
+            arrival, lost = self._take(r)
             try:
-                if arrival is None:
+                if lost:
+                    entry.error = self._err("lost", lost)
+                elif arrival is None:
                     entry.error = self._err(
                         "timeout", f"transfer {r.transfer_id} did not arrive within "
                         f"{self.transfer_timeout:.0f} s")
@@ -476,6 +513,34 @@ class ExecutorService(_make_servicer_base()):
                     arrival.payload.close()
                 entry.pending = None
         return True
+
+    def _take(self, r):
+        """Wait for transfer ``r``'s bytes; (arrival, "") or (None, why the sender is
+        gone). While waiting, check each second that the sender still listens, so a
+        transfer from a dead worker fails within seconds instead of at the timeout."""
+        deadline = time.monotonic() + self.transfer_timeout
+        misses = 0
+        while True:
+            left = deadline - time.monotonic()
+            arrival = self.dataplane.take(r.transfer_id, min(max(left, 0.0), 1.0))
+            if arrival is not None or left <= 1.0:
+                return arrival, ""
+            if not r.src_data_address:
+                continue
+            misses = 0 if _listening(r.src_data_address) else misses + 1
+            if misses >= 2:
+                src = r.src_host or r.src_data_address
+                return None, (f"transfer {r.transfer_id} from {src} cannot arrive: {src} "
+                              "no longer listens (its worker died, or its slice was "
+                              "released before the transfer was sent)")
+
+    def _release(self, ids) -> None:
+        """Free buffers; bytes still due for a dropped transfer are dropped on arrival."""
+        for b in ids:
+            e = self.store.get(b)
+            if e is not None and e.pending is not None:
+                self.dataplane.discard(e.pending.transfer_id)
+        self.store.release(ids)
 
     def _send(self, op) -> None:
         entry = self.store.get(op.buffer_id)
@@ -546,8 +611,9 @@ class ExecutorService(_make_servicer_base()):
             outs = self._run(prog, placeholders())
             prog.out_nbytes = [codec.nbytes(o.dtype, o.shape) for o in outs]
             prog.out_bytes = sum(prog.out_nbytes)
-            if out_specs is None and prog.out_bytes > self.budget:
-                raise MemoryError(self._oom_text(prog))
+            # Not yet knowing the shardings, refuse only what no sharding could fit.
+            if out_specs is None and prog.out_bytes > self.budget * len(self.mesh.device_ids):
+                raise MemoryError(self._oom_text(prog, prog.out_bytes))
             try:
                 if out_specs is not None:
                     # Output shardings are given: compile only.
@@ -568,6 +634,7 @@ class ExecutorService(_make_servicer_base()):
             spec_to_proto(spec if spec is not None else (), reply.out_specs.add())
             reply.out_spec_known.append(spec is not None)
             reply.out_hlo_shardings.append(hlo)
+        prog.out_device_bytes = sum(n // k for n, k in zip(prog.out_nbytes, prog.out_shards))
         self.programs[req.program_id] = prog
         self.compiles += 1
         reply.compile_s = time.perf_counter() - t0
@@ -613,10 +680,15 @@ class ExecutorService(_make_servicer_base()):
             entries.append(e)
         else:
             err = None
-        if err is None and prog.out_bytes > self.budget:
-            err = self._err("oom", self._oom_text(prog), prog.name)
+        if err is None and prog.out_device_bytes > self.budget:
+            err = self._err("oom", self._oom_text(prog, prog.out_device_bytes), prog.name)
         donated = [k for k in op.donate
                    if k < len(op.inputs) and list(op.inputs).count(op.inputs[k]) == 1]
+        if err is None:
+            # Donated inputs' memory becomes the outputs'.
+            need = prog.out_device_bytes - sum(entries[k].nbytes // entries[k].shards
+                                               for k in donated)
+            err = self._make_room(need, f"program '{prog.name}'", set(op.inputs), prog.name)
         if err is None:
             for k in donated:
                 self.store.donate(entries[k])
@@ -626,7 +698,8 @@ class ExecutorService(_make_servicer_base()):
         if err is None:
             try:
                 if self.arbiter is not None:
-                    with self.arbiter.grant(more=lambda: not self._queue.empty()):
+                    with self.arbiter.grant(
+                            more=lambda: bool(self._ahead) or not self._queue.empty()):
                         outs = self._run(prog, inputs)
                         self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
                 elif t0:
@@ -666,11 +739,87 @@ class ExecutorService(_make_servicer_base()):
         for k in positions:
             self.torch_xla._XLAC._set_buffer_donation(tensors[k], True)
 
-    def _oom_text(self, prog) -> str:
-        return (f"program '{prog.name}' needs {prog.out_bytes / 2**30:.2f} GiB for its "
-                f"outputs, but the buffer budget of {self.where} is "
-                f"{self.budget / 2**30:.2f} GiB; use a bigger slice, shard the outputs, or "
-                "raise the budget (PATHWAYS_MEMORY_BUDGET, bytes)")
+    def _oom_text(self, prog, asked: int) -> str:
+        return (f"program '{prog.name}' needs {gib(asked)} per device for its outputs, but "
+                f"the buffer budget of {self.where} is {gib(self.budget)} per device "
+                f"({gib(self._free())} free now); use a bigger slice, shard the outputs, or "
+                "raise the budget (pw.init(memory_budget=...), pathways-run --worker "
+                "--memory-budget)")
+
+    def _free(self) -> int:
+        return max(0, self.budget - self.store.device_bytes)
+
+    # ------------------------------------------------------------------ back-pressure
+    def _room_for(self, nbytes: int, spec_msg, what: str, keep: set):
+        """None when a buffer of ``nbytes`` with ``spec_msg`` fits (after waiting for
+        releases), else the "oom" error: at once when it exceeds the whole budget."""
+        per_device = nbytes // self._shards(spec_from_proto(spec_msg))
+        if per_device > self.budget:
+            return self._err(
+                "oom", f"{what} needs {gib(per_device)} per device, more than the whole "
+                f"{gib(self.budget)} per-device budget of {self.where} "
+                f"({gib(self._free())} free now); shard it over more devices or raise the "
+                "budget (pw.init(memory_budget=...))")
+        return self._make_room(per_device, what, keep)
+
+    def _make_room(self, need: int, what: str, keep: set, program: str = ""):
+        """Wait until ``need`` more bytes per device fit in the budget; None when they do.
+
+        Releases travel on the same ordered stream as the ops, so while this op waits,
+        the ops behind it are taken off the queue and their releases applied early:
+        a release may overtake ops that do not touch its buffer (and that buffer must
+        exist already). Past the back-pressure timeout the op fails with an "oom" error
+        that says how much was asked and what is free.
+        """
+        store = self.store
+        if need <= 0 or store.device_bytes + need <= self.budget:
+            return None
+        t0 = time.monotonic()
+        deadline = t0 + self.backpressure_timeout
+        while store.device_bytes + need > self.budget:
+            self._apply_early_releases(keep)
+            if store.device_bytes + need <= self.budget:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0 or (self._ahead and self._ahead[-1] is None):
+                return self._err(
+                    "oom", f"{what} needs {gib(need)} per device and waited "
+                    f"{time.monotonic() - t0:.0f} s for releases, but only "
+                    f"{gib(self._free())} of the {gib(self.budget)} per-device budget of "
+                    f"{self.where} is free; drop Arrays you no longer need (del x), or "
+                    "raise the budget (pw.init(memory_budget=...))", program)
+            try:
+                self._ahead.append(self._queue.get(timeout=min(left, 0.05)))
+            except queue.Empty:
+                pass
+        self.backpressure_waits += 1
+        self.backpressure_seconds += time.monotonic() - t0
+        return None
+
+    def _apply_early_releases(self, keep: set) -> None:
+        """Apply the releases among the queued ops whose buffers exist and that no op
+        before them (or the waiting op, ``keep``) uses."""
+        while True:                     # take in what has arrived
+            try:
+                self._ahead.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        used = set(keep)
+        for item in self._ahead:
+            if item is None or item[0] != "op":
+                continue
+            op = item[1]
+            if op.WhichOneof("kind") == "release":
+                ids = op.release.buffer_ids
+                now = [b for b in ids if b not in used and b in self.store.entries]
+                if now:
+                    self._release(now)
+                    done = set(now)
+                    rest = [b for b in ids if b not in done]
+                    del ids[:]
+                    ids.extend(rest)
+            else:
+                used.update(_buffer_ids(op))
 
     def _put(self, op) -> None:
         rec = self.rec
@@ -696,6 +845,11 @@ class ExecutorService(_make_servicer_base()):
             data = b"".join(chunks + [op.data])
         else:
             meta, spec, data = op.meta, op.spec, op.data
+        err = self._room_for(len(data), spec, f"the put of buffer {op.buffer_id}",
+                             {op.buffer_id})
+        if err is not None:
+            self.store.put(op.buffer_id, Entry(error=err))
+            return
         try:
             cpu = codec.from_bytes(data, meta.dtype, meta.shape)
             t = cpu.to(self.device)
@@ -770,20 +924,31 @@ class ExecutorService(_make_servicer_base()):
                 self.store.put(b, Entry(error=err))
 
 
-def _memory_budget() -> int:
-    """Bytes of buffers this executor may hold: PATHWAYS_MEMORY_BUDGET, or 80% of the
-    memory available when it starts."""
-    env = os.environ.get("PATHWAYS_MEMORY_BUDGET")
-    if env:
-        return int(env)
+def _listening(address: str) -> bool:
+    """Whether something accepts connections at ``address`` (host:port)."""
+    import socket
+    host, _, port = address.rpartition(":")
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 * 8 // 10
-    except OSError:
-        pass
-    return 1 << 40
+        socket.create_connection((host, int(port)), timeout=2.0).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _buffer_ids(op) -> list:
+    """Every buffer id an op reads or writes."""
+    which = op.WhichOneof("kind")
+    if which == "execute":
+        return list(op.execute.inputs) + list(op.execute.outputs)
+    if which in ("put", "recv", "send"):
+        return [getattr(op, which).buffer_id]
+    if which == "save":
+        return list(op.save.buffer_ids) + [op.save.status_id]
+    if which == "load":
+        return list(op.load.buffer_ids)
+    if which == "gang":
+        return [b for inner in op.gang.ops for b in _buffer_ids(inner)]
+    return []
 
 
 def _nbytes(meta) -> int:
