@@ -24,6 +24,13 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -34,7 +41,8 @@ from .client.array import Array, put
 from .client.checkpoint import load_arrays, save_arrays
 from .client.graph import graph
 from .client.program import Program
-from .errors import PathwaysError, ShardingError
+from .errors import (ClusterShutdownError, NotInitializedError, PathwaysError, ShardingError,
+                     TimeoutError, WorkerLostError)
 from .parallel.strategies import DataParallel, MultiIsland, Pipeline, mesh_sizes
 from .sharding import P, validate_spec
 
@@ -65,23 +73,11 @@ class Trainer:
                 "model.parameters() of the same model you pass to pw.Trainer")
         fixed = {n: p for n, p in named.items() if n not in self._group_of}
         fixed.update(dict(model.named_buffers()))
-
-        # Where everything lives: replicas[r] is one full copy of the trained state,
-        # each tensor on its own slice (Pipeline: a stage's slice).
-        # (the placement functions close over locals, never over self: a Trainer must
-        # not sit in a reference cycle, or dropping it would not free worker memory)
-        slices = list(self.slices)
+        self._shapes = {n: tuple(named[n].shape) for n in self._group_of}
         if isinstance(parallelism, Pipeline):
             self._stages = _split_stages(model, parallelism)
-            home = {n: k for k, (_, names) in enumerate(self._stages) for n in names}
-            homes = [lambda n: slices[home[n.split(".", 1)[0]]]]
-        elif isinstance(parallelism, MultiIsland):
-            homes = [lambda n, s=s: s for s in slices]
-        else:
-            homes = [lambda n: slices[0]]
-        self._homes = homes
-        self.param_specs = {n: self._param_spec(n, tuple(named[n].shape), homes[0](n))
-                            for n in self._group_of}
+        self._place(self.slices)
+        homes = self._homes
         self.replicas: List[Dict[str, Array]] = []
         self.states: List[Dict[str, Dict[str, Array]]] = []
         self.fixed: List[Dict[str, Array]] = []
@@ -95,8 +91,30 @@ class Trainer:
         self.steps = next((int(st["step"]) for st in optimizer.state.values()
                            if "step" in st), 0)
         self._programs: Dict[str, Program] = {}
+        self.restarts: List[Restart] = []         # fit's elastic restarts
 
     # ------------------------------------------------------------------ layout helpers
+    def _place(self, slices) -> None:
+        """Say where everything lives on ``slices`` (at start, and again after ``fit``
+        replaced lost slices): replicas[r] is one full copy of the trained state, each
+        tensor on its own slice (Pipeline: a stage's slice)."""
+        # (the placement functions close over locals, never over self: a Trainer must
+        # not sit in a reference cycle, or dropping it would not free worker memory)
+        slices = list(slices)
+        self.slices = slices
+        if isinstance(self.parallelism, Pipeline):
+            home = {n: k for k, (_, names) in enumerate(self._stages) for n in names}
+            homes = [lambda n: slices[home[n.split(".", 1)[0]]]]
+        elif isinstance(self.parallelism, MultiIsland):
+            homes = [lambda n, s=s: s for s in slices]
+        else:
+            homes = [lambda n: slices[0]]
+        if isinstance(self.parallelism, (Pipeline, MultiIsland)):
+            self.parallelism = dataclasses.replace(self.parallelism, slices=tuple(slices))
+        self._homes = homes
+        self.param_specs = {n: self._param_spec(n, self._shapes[n], homes[0](n))
+                            for n in self._group_of}
+
     def _param_spec(self, name: str, shape, slice_) -> P:
         if isinstance(self.parallelism, (Pipeline, MultiIsland)):
             return P()
@@ -330,6 +348,271 @@ class Trainer:
                     st[k] = got[f"optim.{n}.{k}"]
             if r == 0:
                 self.steps = int(got["steps"].torch())
+
+    # ------------------------------------------------------------------ elastic training
+    def fit(self, data: Any, *, steps: Optional[int] = None,
+            checkpoint_dir: Optional[str] = None, checkpoint_every: int = 100,
+            max_restarts: int = 0, on_step: Optional[Callable[[int, float], Any]] = None,
+            wait_timeout: float = 300.0, keep_checkpoints: Optional[int] = 2) -> List[float]:
+        """Train on ``data`` for ``steps`` steps, checkpointing, and resume elastically
+        when a worker is lost; returns the loss of every step, as floats.
+
+        ``data`` gives the batch ``(inputs, targets)`` of each step (``i`` counts from 0
+        in this call):
+
+        - a callable ``data(i) -> (inputs, targets)`` (then ``steps`` is required);
+        - a sequence (``len`` and ``data[i]``, e.g. a list of batches): ``steps``
+          defaults to ``len(data)``;
+        - any other iterable (a generator, a DataLoader): until it ends or ``steps``.
+
+        Every ``checkpoint_every`` steps, and once before the first step (the "step 0"
+        checkpoint: the state fit starts from), the workers write ``trainer.save`` to
+        ``checkpoint_dir/step-NNNNNN/``, then ``checkpoint_dir/latest.json`` (written
+        last, atomically) records the step, so a checkpoint that a dying worker left
+        half written is never used. Only the ``keep_checkpoints`` newest are kept
+        (``None``: all).
+
+        When a step, a loss or a checkpoint fails with ``pw.WorkerLostError`` (and only
+        then), up to ``max_restarts`` times: the Trainer releases its slices, waits up to
+        ``wait_timeout`` s until the resource manager can give it slices of the same
+        shapes on the same islands again (a restarted worker registers as the
+        replacement of the lost host: ``LocalCluster`` does it, or ``pathways-run
+        --worker`` started again), rebuilds its slices (``trainer.slices``: slices you
+        passed in are released) and programs, loads the last checkpoint and continues
+        from the step after it. Each restart is appended to ``trainer.restarts``. The
+        steps after the checkpoint run again on the same batches: a callable or a
+        sequence is indexed again; batches of a plain iterable are kept in memory since
+        the last checkpoint, so the replay is exact either way, and so are the numbers:
+        the checkpoint holds parameters, buffers, optimizer state and the step counter
+        (Adam's bias correction), and the sidecar the learning rates. Devices that do not
+        come back in time raise ``pw.TimeoutError``; a loss beyond ``max_restarts`` (or
+        before the step-0 checkpoint exists) re-raises the ``WorkerLostError``.
+
+        ``on_step(i, loss)`` is called after step ``i`` (1-based) with its loss; steps are
+        dispatched ahead, so it runs a step or two behind the dispatch, and after a
+        restart it sees the replayed steps again. Example::
+
+            trainer = pw.Trainer(model, opt, F.cross_entropy, slice=pw.slice((2,)))
+            losses = trainer.fit(lambda i: batches[i % len(batches)], steps=1000,
+                                 checkpoint_dir="/shared/ckpt", checkpoint_every=50,
+                                 max_restarts=3, on_step=lambda i, l: print(i, l))
+            print(trainer.restarts)     # [Restart(failed_at=..., resumed_from=..., ...)]
+        """
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, not {checkpoint_every}")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, not {max_restarts}")
+        if max_restarts and checkpoint_dir is None:
+            raise PathwaysError("fit(max_restarts=...) resumes from checkpoints: give "
+                                "checkpoint_dir= (a directory every worker can write)")
+        batches = _Batches(data, steps)
+        ckpts = _Checkpoints(checkpoint_dir, keep_checkpoints) if checkpoint_dir else None
+        losses: List[float] = []
+        if ckpts is not None:
+            ckpts.save(self, 0)
+        done, lost, restarts = 0, None, 0
+        while True:
+            try:
+                if lost is not None:
+                    done = self._resume(lost, len(losses) + 1, ckpts, batches,
+                                        wait_timeout)
+                    del losses[done:]
+                    lost = None
+                self._run(batches, done, losses, ckpts, checkpoint_every, on_step)
+                return losses
+            except WorkerLostError as e:
+                if restarts >= max_restarts:
+                    raise
+                restarts += 1
+                lost = e
+                log.warning("a worker was lost at step %d (%s); restart %d of %d",
+                            len(losses) + 1, e, restarts, max_restarts)
+
+    def _run(self, batches: "_Batches", start: int, losses: List[float],
+             ckpts: Optional["_Checkpoints"], every: int, on_step) -> None:
+        """Steps ``start`` .. end, a few dispatched ahead of the losses read back."""
+        pending: "collections.deque" = collections.deque()
+
+        def settle(keep: int) -> None:
+            while len(pending) > keep:
+                i, loss = pending.popleft()
+                losses.append(float(loss))
+                if on_step is not None:
+                    on_step(i + 1, losses[-1])
+
+        i = start
+        while True:
+            batch = batches.get(i)
+            if batch is None:
+                break
+            inputs, targets = batch
+            pending.append((i, self.step(inputs, targets)))
+            i += 1
+            settle(_AHEAD)
+            if ckpts is not None and i % every == 0:
+                settle(0)
+                ckpts.save(self, i)
+                batches.forget_before(i)
+        settle(0)
+
+    def _resume(self, lost: Exception, failed_at: int, ckpts: "_Checkpoints",
+                batches: "_Batches", wait_timeout: float) -> int:
+        """New slices of the same shapes, the last checkpoint loaded: the step to go on
+        from. Every slice is replaced, not only the lost ones: a live one may hold an
+        op that waits for the dead (a transfer), and its state is stale anyway."""
+        t0 = time.monotonic()
+        step, path, info = ckpts.latest()
+        old = list(self.slices)
+        for s in old:
+            s.release()
+        deadline = t0 + wait_timeout
+        new: list = []
+        try:
+            for s in old:
+                new.append(_reacquire(s, deadline, lost))
+        except BaseException:
+            for s in new:
+                s.release()
+            raise
+        waited = time.monotonic() - t0
+        self._place(new)
+        self.load(path)
+        for g, lr in zip(self.optimizer.param_groups, info.get("lrs", ())):
+            g["lr"] = lr
+        self.restarts.append(Restart(failed_at=failed_at, resumed_from=step,
+                                     error=str(lost), wait_s=waited,
+                                     total_s=time.monotonic() - t0))
+        log.warning("resumed from the checkpoint of step %d after %.1f s (%.1f s waiting "
+                    "for devices)", step, time.monotonic() - t0, waited)
+        return step
+
+
+# ---------------------------------------------------------------------- elastic helpers
+
+log = logging.getLogger("pathways_torch.trainer")
+
+_AHEAD = 2          # fit: steps dispatched beyond the last loss read back
+
+
+@dataclasses.dataclass
+class Restart:
+    """One elastic restart of ``Trainer.fit`` (in ``trainer.restarts``)."""
+
+    failed_at: int          # the step (1-based) whose loss was not read when the loss hit
+    resumed_from: int       # the checkpoint's step: fit went on with the step after it
+    error: str              # the WorkerLostError
+    wait_s: float           # releasing the old slices and getting new ones
+    total_s: float          # and loading the checkpoint (its reads are dispatched)
+
+
+class _Batches:
+    """Batch ``i`` of a fit, again after a restart: callables and sequences are
+    indexed; a plain iterable's batches are kept from the last checkpoint on."""
+
+    def __init__(self, data: Any, steps: Optional[int]) -> None:
+        self.steps = steps
+        self._data, self._it, self._kept = data, None, {}
+        if callable(data) and not hasattr(data, "__iter__"):
+            if steps is None:
+                raise PathwaysError("fit(data=callable) needs steps=: the callable "
+                                    "gives the batch of each step")
+            self._kind = "call"
+        elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+            self._kind = "seq"
+            self.steps = len(data) if steps is None else min(steps, len(data))
+        elif hasattr(data, "__iter__"):
+            self._kind, self._it, self._next = "iter", iter(data), 0
+        else:
+            raise PathwaysError(f"fit(data=...) takes a callable step -> (inputs, targets), "
+                                f"a sequence or an iterable of batches, not "
+                                f"{type(data).__name__}")
+
+    def get(self, i: int):
+        """Batch ``i``, or None after the last."""
+        if self.steps is not None and i >= self.steps:
+            return None
+        if self._kind == "call":
+            return self._data(i)
+        if self._kind == "seq":
+            return self._data[i]
+        while self._next <= i:
+            try:
+                self._kept[self._next] = next(self._it)
+            except StopIteration:
+                self.steps = self._next
+                return None
+            self._next += 1
+        if i not in self._kept:
+            raise PathwaysError(f"batch {i} of the iterable is gone; fit keeps the batches "
+                                "since the last checkpoint only")
+        return self._kept[i]
+
+    def forget_before(self, i: int) -> None:
+        for k in [k for k in self._kept if k < i]:
+            del self._kept[k]
+
+
+class _Checkpoints:
+    """``root/step-NNNNNN/`` written by ``Trainer.save``; ``root/latest.json`` names the
+    newest complete one (replaced atomically after the save returned)."""
+
+    def __init__(self, root: str, keep: Optional[int]) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1 or None, not {keep}")
+        self.root, self.keep = os.path.abspath(root), keep
+        self.written: List[str] = []
+        os.makedirs(self.root, exist_ok=True)
+
+    def save(self, trainer: "Trainer", step: int) -> None:
+        name = f"step-{step:06d}"
+        path = os.path.join(self.root, name)
+        shutil.rmtree(path, ignore_errors=True)     # no stale parts of an earlier run
+        trainer.save(path)
+        info = {"step": step, "path": name, "trainer_steps": trainer.steps,
+                "lrs": [float(g["lr"]) for g in trainer.optimizer.param_groups]}
+        tmp = os.path.join(self.root, "latest.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.root, "latest.json"))
+        if name in self.written:
+            self.written.remove(name)
+        self.written.append(name)
+        while self.keep is not None and len(self.written) > self.keep:
+            shutil.rmtree(os.path.join(self.root, self.written.pop(0)), ignore_errors=True)
+
+    def latest(self) -> Tuple[int, str, dict]:
+        with open(os.path.join(self.root, "latest.json")) as f:
+            info = json.load(f)
+        return int(info["step"]), os.path.join(self.root, info["path"]), info
+
+
+def _reacquire(old, deadline: float, lost: Exception):
+    """A slice shaped like ``old`` on its island, as soon as the resource manager has
+    one (the replacement of a lost host registers with fresh devices)."""
+    from .client import runtime
+    last = ""
+    while True:
+        try:
+            return runtime.slice(old.mesh_shape, old.axis_names, island=old.island)
+        except (ShardingError, NotInitializedError, ClusterShutdownError):
+            raise
+        except PathwaysError as e:
+            # Exhausted, or allocated on the dead host before the coordinator marked it
+            # lost (its executor cannot start): ask again.
+            last = str(e)
+        if time.monotonic() > deadline:
+            free = collections.Counter((d.island, d.host) for d in runtime.devices()
+                                       if d.state == "free")
+            where = ", ".join(f"island {i} host {h}: {n}" for (i, h), n in sorted(
+                free.items())) or "none"
+            raise TimeoutError(
+                f"after losing a worker ({lost}), no slice of {old.size} devices came back "
+                f"on island {old.island} in time (free devices: {where}; last answer: "
+                f"{last}). Restart the lost worker (pathways-run --worker --island "
+                f"{old.island} ...) or give fit a longer wait_timeout") from lost
+        time.sleep(0.25)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -3,18 +3,28 @@
 ``pw.init()`` without an address starts one; ``pathways-run`` starts one for a script.
 Each process runs in its own process group and dies with its parent, so nothing
 outlives the client even when it is killed.
+
+The cluster supervises its workers: a worker process that exits while the cluster runs
+(killed, crashed) is started again with the same arguments, a bounded number of times
+with a growing back-off, and registers with the coordinator as the replacement of the
+lost host (fresh devices, no state: clients rebuild their slices, see
+``pw.Trainer.fit``). ``LocalCluster(restart_workers=False)`` or
+``PATHWAYS_RESTART_WORKERS=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import grpc
 
@@ -22,28 +32,83 @@ from ..errors import PathwaysError, TimeoutError
 from ..rpc import grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
+from ..worker.memory import default_budget
 
 #: Where ``pw.init()`` finds a running cluster (``pathways-run`` sets it for its script).
 ADDRESS_ENV = "PATHWAYS_ADDRESS"
+#: ``0`` turns off the restart of dead workers in clusters that do not say otherwise.
+RESTART_ENV = "PATHWAYS_RESTART_WORKERS"
+
+log = logging.getLogger("pathways_torch.cluster")
+
+
+@dataclasses.dataclass
+class WorkerRestart:
+    """One restart of a dead worker process by ``LocalCluster``."""
+
+    island: int
+    host: int
+    exit_code: int          # of the process that died (negative: the signal)
+    old_pid: int
+    new_pid: int
+    at: float               # time.monotonic() of the restart
+
+
+@dataclasses.dataclass
+class _Worker:
+    args: List[str]
+    env: dict
+    log_name: str
+    proc: subprocess.Popen
+    restarts: int = 0
+    due: Optional[float] = None     # when a pending restart starts (monotonic)
+    gave_up: bool = False
 
 
 class LocalCluster:
     """Start ``islands * hosts_per_island`` workers with ``devices_per_host`` devices each.
 
+    With ``restart_workers`` (default on, unless ``PATHWAYS_RESTART_WORKERS=0``), a
+    monitor thread restarts a worker process that exits while the cluster runs: after
+    ``restart_backoff`` seconds, doubled at each further restart of the same worker, at
+    most ``max_restarts`` times per worker; each restart is logged (logger
+    ``pathways_torch.cluster``) and recorded in ``restarts``. The replacement registers
+    for the same island and host, with fresh devices. ``stop()`` never races with a
+    restart: once it begins, nothing is started any more.
+
     Example::
 
         with LocalCluster(islands=1, hosts_per_island=1, devices_per_host=8) as c:
             print(c.address)
+            ...
+            print(c.restarts)          # [WorkerRestart(island=0, host=0, ...)] if one died
     """
 
     def __init__(self, islands: int = 1, hosts_per_island: int = 1,
                  devices_per_host: int = 8, timeout: float = 180.0,
-                 env: Optional[dict] = None, devices_shared_by: int = 1) -> None:
+                 env: Optional[dict] = None, devices_shared_by: int = 1,
+                 memory_budget: Optional[int] = None,
+                 restart_workers: Optional[bool] = None, max_restarts: int = 3,
+                 restart_backoff: float = 0.5) -> None:
         if islands < 1 or hosts_per_island < 1 or devices_per_host < 1:
             raise ValueError("islands, hosts_per_island and devices_per_host must be >= 1")
+        if max_restarts < 0 or restart_backoff < 0:
+            raise ValueError("max_restarts and restart_backoff must be >= 0")
+        if restart_workers is None:
+            restart_workers = os.environ.get(RESTART_ENV, "1") != "0"
+        self.restart_workers = bool(restart_workers)
+        self.max_restarts, self.restart_backoff = max_restarts, restart_backoff
+        self.restarts: List[WorkerRestart] = []
+        self._workers: Dict[Tuple[int, int], _Worker] = {}
+        self._lock = threading.Lock()          # procs, _workers, _stopping
+        self._stopping = threading.Event()
+        self._monitor: Optional[threading.Thread] = None
         self.islands, self.hosts_per_island = islands, hosts_per_island
         self.devices_per_host = devices_per_host
         self.devices_shared_by = devices_shared_by
+        # Each worker's buffer budget: by default the workers split 80% of the memory
+        # available now, so together they never ask the kernel for more than it has.
+        self.memory_budget = memory_budget or default_budget(islands * hosts_per_island)
         self.procs: List[subprocess.Popen] = []
         self.logdir = tempfile.mkdtemp(prefix="pathways-")
         self.address = ""
@@ -57,14 +122,15 @@ class LocalCluster:
             self.stop(keep_logs=True)       # the error message points at the logs
             raise
 
-    def _spawn(self, args: List[str], env: dict, log_name: str, **kw) -> subprocess.Popen:
-        log = open(os.path.join(self.logdir, log_name), "wb")
-        p = subprocess.Popen(
-            [sys.executable, "-m"] + args + ["--parent-pid", str(os.getpid())],
-            env=env, stdin=subprocess.DEVNULL, stderr=log, start_new_session=True, **kw)
-        p._pw_log = log.name  # type: ignore[attr-defined]
-        log.close()
-        self.procs.append(p)
+    def _spawn(self, args: List[str], env: dict, log_name: str, append: bool = False,
+               **kw) -> subprocess.Popen:
+        with open(os.path.join(self.logdir, log_name), "ab" if append else "wb") as f:
+            p = subprocess.Popen(
+                [sys.executable, "-m"] + args + ["--parent-pid", str(os.getpid())],
+                env=env, stdin=subprocess.DEVNULL, stderr=f, start_new_session=True, **kw)
+        p._pw_log = f.name  # type: ignore[attr-defined]
+        if not append:
+            self.procs.append(p)
         return p
 
     def _start(self, env: dict, timeout: float) -> None:
@@ -79,11 +145,80 @@ class LocalCluster:
             for h in range(self.hosts_per_island):
                 wenv = dict(env)
                 wenv["CPU_NUM_DEVICES"] = str(self.devices_per_host)
-                self._spawn(["pathways_torch.worker", "--coordinator", self.address,
-                             "--island", str(i), "--host", str(h),
-                             "--devices", str(self.devices_per_host)], wenv,
-                            f"worker-i{i}-h{h}.log")
+                args = ["pathways_torch.worker", "--coordinator", self.address,
+                        "--island", str(i), "--host", str(h),
+                        "--devices", str(self.devices_per_host),
+                        "--memory-budget", str(self.memory_budget)]
+                name = f"worker-i{i}-h{h}.log"
+                self._workers[(i, h)] = _Worker(args, wenv, name,
+                                                self._spawn(args, wenv, name))
         self.wait_ready(timeout)
+        if self.restart_workers:
+            self._monitor = threading.Thread(target=self._supervise, name="pw-supervisor",
+                                             daemon=True)
+            self._monitor.start()
+
+    # ------------------------------------------------------------------ supervision
+    def _supervise(self) -> None:
+        """Restart workers that exit while the cluster runs (the monitor thread)."""
+        coordinator = self.procs[0]
+        while not self._stopping.wait(0.2):
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                if coordinator.poll() is not None:
+                    log.error("the coordinator exited with code %s; workers are not "
+                              "restarted any more (logs in %s)", coordinator.returncode,
+                              self.logdir)
+                    return
+                for (island, host), w in self._workers.items():
+                    try:
+                        self._check_worker(island, host, w)
+                    except Exception:       # keep supervising the others
+                        log.exception("restarting worker island %d host %d failed",
+                                      island, host)
+                        w.gave_up = True
+
+    def _check_worker(self, island: int, host: int, w: _Worker) -> None:
+        """Restart ``w`` if it exited (called with the lock held, while not stopping)."""
+        if w.gave_up or w.proc.poll() is None:
+            return
+        now = time.monotonic()
+        if w.due is None:
+            code = w.proc.returncode
+            # The dead worker's executors and zygote die with it (parent-death signal);
+            # make sure of it before a replacement comes.
+            _signal_group(w.proc.pid, signal.SIGKILL)
+            if w.restarts >= self.max_restarts:
+                w.gave_up = True
+                log.error("worker island %d host %d exited with code %s; it was restarted "
+                          "%d times already, not again (log: %s)", island, host, code,
+                          w.restarts, os.path.join(self.logdir, w.log_name))
+                return
+            delay = self.restart_backoff * (2 ** w.restarts)
+            w.due = now + delay
+            log.warning("worker island %d host %d (pid %d) exited with code %s; restarting "
+                        "it in %.1f s (restart %d of at most %d)", island, host,
+                        w.proc.pid, code, delay, w.restarts + 1, self.max_restarts)
+        if now < w.due:
+            return
+        old = w.proc
+        with open(os.path.join(self.logdir, w.log_name), "ab") as f:
+            f.write(f"\n--- pathways: the worker exited with code {old.returncode}; "
+                    f"restarted by the local cluster ---\n".encode())
+        w.proc = self._spawn(w.args, w.env, w.log_name, append=True)
+        w.restarts += 1
+        w.due = None
+        self.procs[self.procs.index(old)] = w.proc
+        self.restarts.append(WorkerRestart(island, host, old.returncode, old.pid,
+                                           w.proc.pid, now))
+        log.warning("worker island %d host %d restarted as pid %d", island, host,
+                    w.proc.pid)
+
+    def worker_pid(self, island: int, host: int = 0) -> int:
+        """The process id of the worker agent of ``island``/``host`` (now)."""
+        with self._lock:
+            return self._workers[(island, host)].proc.pid
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until every worker registered; fail early if one of them exits."""
@@ -117,14 +252,21 @@ class LocalCluster:
             return "(no log)"
 
     def pids(self) -> List[int]:
-        return [p.pid for p in self.procs]
+        with self._lock:
+            return [p.pid for p in self.procs]
 
     def stop(self, timeout: float = 10.0, keep_logs: bool = False) -> None:
         """Stop every process (and their children) that this cluster started.
 
         The processes' logs are removed unless ``keep_logs`` or ``PATHWAYS_KEEP_LOGS``.
+        Restarts end first: a worker is restarted only under the lock and only while the
+        cluster is not stopping, so every process it ever started is in ``procs`` here.
         """
-        procs, self.procs = self.procs, []
+        with self._lock:
+            self._stopping.set()
+            procs, self.procs = self.procs, []
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(10)
         for p in procs:
             _signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout

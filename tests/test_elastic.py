@@ -1,0 +1,162 @@
+"""Elastic training with real processes and real signals: a worker is SIGKILLed in the
+middle of ``Trainer.fit``, the embedded cluster restarts it, the Trainer rebuilds its
+slice on the replacement, reloads the last checkpoint and goes on with the same numbers.
+"""
+
+import os
+import signal
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch.client import runtime
+from pathways_torch.client.cluster import LocalCluster
+
+from procs import descendants, wait_gone
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two islands of one host with 2 devices each; every process it ever started (the
+    restarted workers too) is gone after the shutdown."""
+    pw.init(islands=2, devices_per_host=2, timeout=120)
+    c = runtime._state.cluster
+    try:
+        yield c
+    finally:
+        pids = set(c.pids()) | {r.new_pid for r in c.restarts}
+        pids |= {d for p in list(pids) for d in descendants(p)}
+        pw.shutdown()
+        assert wait_gone(pids) == []
+
+
+def make_trainer(slice_, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return pw.Trainer(model, opt, torch.nn.functional.mse_loss, slice=slice_,
+                      parallelism=pw.DataParallel("data"))
+
+
+def batches(n=STEPS):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g))
+            for _ in range(n)]
+
+
+def worker_of(pid, cluster):
+    """The worker agent above process ``pid`` (an executor, forked below the agent)."""
+    workers = set(cluster.pids())
+    while pid not in workers:
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        assert pid > 1, "the executor is not below a worker of the cluster"
+    return pid
+
+
+def test_fit_resumes_on_the_restarted_worker_with_the_same_losses(cluster, tmp_path):
+    data = batches()
+    trainer = make_trainer(pw.slice((2,), island=0))
+    killed = []
+
+    def on_step(i, loss):
+        if i == 5 and not killed:
+            executor = trainer.slices[0].stats(sync=False).pid
+            worker = worker_of(executor, cluster)
+            assert worker == cluster.worker_pid(0)
+            os.kill(worker, signal.SIGKILL)
+            killed.append(worker)
+            # its executor dies with it (parent-death signal): then no later step can
+            # finish, and which step fails first does not depend on timing
+            assert wait_gone([worker, executor]) == []
+
+    ckpt = tmp_path / "ckpt"
+    losses = trainer.fit(data, checkpoint_dir=str(ckpt), checkpoint_every=3,
+                         max_restarts=1, on_step=on_step, keep_checkpoints=None)
+
+    assert len(losses) == STEPS and all(isinstance(x, float) for x in losses)
+    assert len(trainer.restarts) == 1
+    r = trainer.restarts[0]
+    # Steps 6 and 7 were in flight when step 5's loss came back: 6 is the first that
+    # fails, and the last complete checkpoint is step 3's.
+    assert (r.failed_at, r.resumed_from) == (6, 3)
+    assert [(w.island, w.old_pid) for w in cluster.restarts] == [(0, killed[0])]
+    assert trainer.slices[0].island == 0
+    assert "lost" not in {d.state for d in pw.devices()}
+    assert trainer.steps == STEPS
+    assert sorted(os.listdir(ckpt)) == ["latest.json", "step-000000", "step-000003",
+                                        "step-000006", "step-000009"]
+
+    # An uninterrupted run from the checkpoint it resumed from: the same numbers, bit
+    # for bit (same programs, same device count, the optimizer's state and step count
+    # restored from the checkpoint).
+    other = pw.slice((2,), island=1)
+    again = make_trainer(other, seed=123)           # other weights: load replaces them
+    again.load(str(ckpt / "step-000003"))
+    assert again.steps == 3
+    assert [float(again.step(x, y)) for x, y in data[3:]] == losses[3:]
+
+    # And the whole curve equals a run that no worker interrupted.
+    again.load(str(ckpt / "step-000000"))
+    assert again.fit(data) == losses
+    other.release()
+    trainer.slices[0].release()
+
+
+def test_without_restarts_a_lost_worker_is_raised(cluster, tmp_path):
+    data = batches()
+    trainer = make_trainer(pw.slice((2,), island=1))
+
+    def on_step(i, loss):
+        if i == 2:
+            os.kill(cluster.worker_pid(1), signal.SIGKILL)
+
+    with pytest.raises(pw.WorkerLostError, match="island 1 host 0"):
+        trainer.fit(data, checkpoint_dir=str(tmp_path), checkpoint_every=3,
+                    max_restarts=0, on_step=on_step)
+    assert trainer.restarts == []
+
+
+def test_fit_takes_callables_and_iterables_and_checks_its_arguments(cluster, tmp_path):
+    data = batches(4)
+    a = make_trainer(pw.slice((2,), island=0))
+    with pytest.raises(pw.PathwaysError, match="checkpoint_dir"):
+        a.fit(data, max_restarts=1)
+    from_list = a.fit(data, checkpoint_dir=str(tmp_path / "a"), checkpoint_every=2)
+    a.slices[0].release()
+    b = make_trainer(pw.slice((2,), island=0))
+    assert b.fit(lambda i: data[i], steps=4) == from_list
+    with pytest.raises(pw.PathwaysError, match="steps="):
+        b.fit(lambda i: data[i])
+    b.slices[0].release()
+    c = make_trainer(pw.slice((2,), island=0))
+    assert c.fit(iter(data), checkpoint_dir=str(tmp_path / "c"), checkpoint_every=2,
+                 keep_checkpoints=1) == from_list
+    assert sorted(os.listdir(tmp_path / "c")) == ["latest.json", "step-000004"]
+    c.slices[0].release()
+
+
+def test_the_local_cluster_restarts_a_dead_worker_a_bounded_number_of_times():
+    with LocalCluster(devices_per_host=1, max_restarts=1, restart_backoff=0.1) as c:
+        first = c.worker_pid(0)
+        os.kill(first, signal.SIGKILL)
+        _until(lambda: len(c.restarts) == 1)
+        second = c.worker_pid(0)
+        assert second != first and c.restarts[0].exit_code == -signal.SIGKILL
+        os.kill(second, signal.SIGKILL)             # while it is still starting up
+        _until(lambda: c._workers[(0, 0)].gave_up)  # restarted once already: not again
+        assert len(c.restarts) == 1 and c.worker_pid(0) == second
+        pids = set(c.pids()) | {first, second}
+    assert wait_gone(pids) == []
+
+
+def _until(cond, timeout=30.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
