@@ -357,7 +357,9 @@ class ExecutorService(_make_servicer_base()):
             gang_positions=self.gang_positions, bytes_received=self.dataplane.bytes_received,
             bytes_sent=self.dataplane.bytes_sent, recv_seconds=self.dataplane.recv_seconds,
             busy_seconds=self.arbiter.busy_seconds if self.arbiter else 0.0,
-            shared=self.arbiter is not None)
+            shared=self.arbiter is not None, memory_budget=self.budget,
+            backpressure_waits=self.backpressure_waits,
+            backpressure_seconds=self.backpressure_seconds)
 
     def Profile(self, request, context):
         self._authorize(context)
