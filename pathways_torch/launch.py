@@ -18,7 +18,10 @@ island, ``--node-rank`` / ``NODE_RANK`` for a worker's host index, ``--master-ad
 ``-m`` to run a module, ``--standalone`` for the local mode.
 
 A cluster that listens beyond loopback needs a shared token: ``--token`` or
-``PATHWAYS_TOKEN``, the same on every node and client.
+``PATHWAYS_TOKEN``, the same on every node and client. ``--tls-cert``, ``--tls-key`` and
+``--tls-ca`` (PEM files; ``PATHWAYS_TLS_CERT`` / ``_KEY`` / ``_CA``) turn on TLS for
+gRPC and the data plane in every mode; with a CA, servers require client certificates
+(mutual TLS). The launcher exports them, so everything it starts inherits them.
 
 Example::
 
@@ -27,6 +30,7 @@ Example::
     PATHWAYS_TOKEN=s3cret pathways-run --worker --coordinator-address node0:7000 \\
         --island 0 --node-rank 1 --bind-host 0.0.0.0
     PATHWAYS_TOKEN=s3cret pathways-run --address node0:7000 recipes/train_gpt.py
+    pathways-run --tls-cert node.pem --tls-key node.key --tls-ca ca.pem --coordinator ...
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import sys
 from typing import List, Optional
 
 from .client.cluster import ADDRESS_ENV
+from .errors import PathwaysError
 from .rpc import grpc_util
 
 
@@ -67,6 +72,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="run SCRIPT as a client of the cluster at HOST:PORT")
     ap.add_argument("--token", default=None,
                     help=f"the cluster's shared token (default: {grpc_util.TOKEN_ENV})")
+    grpc_util.add_tls_arguments(ap)
     ap.add_argument("--islands", type=int, default=_env_int("PATHWAYS_ISLANDS", 1))
     ap.add_argument("--hosts-per-island", "--hosts_per_island", "--nnodes", type=int,
                     dest="hosts_per_island", default=_env_int("PATHWAYS_HOSTS_PER_ISLAND", 1))
@@ -112,6 +118,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
     if args.token is not None:
         os.environ[grpc_util.TOKEN_ENV] = args.token   # children inherit it
+    try:
+        grpc_util.apply_tls_arguments(args)             # exported too
+    except PathwaysError as e:
+        print(f"pathways-run: {e}", file=sys.stderr)
+        return 2
     if args.coordinator:
         from .coordinator.service import serve
         serve(argparse.Namespace(host=args.host, port=args.port,

@@ -244,7 +244,8 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
          devices_per_host: Optional[int] = None, timeout: float = 600.0,
          name: str = "", dispatch: str = "parallel", share: float = 1.0,
          token: Optional[str] = None, devices_shared_by: int = 1,
-         memory_budget: Optional[Union[int, str]] = None) -> None:
+         memory_budget: Optional[Union[int, str]] = None, tls_cert: Optional[str] = None,
+         tls_key: Optional[str] = None, tls_ca: Optional[str] = None) -> None:
     """Connect this process to a Pathways cluster, starting a local one if needed.
 
     With no ``address`` (and no ``PATHWAYS_ADDRESS`` in the environment, which
@@ -261,7 +262,10 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
     1, or ``pathways-run --coordinator --devices-shared-by N``): over a busy period the
     hosts give each client device time in proportion to its share. ``token`` is the
     cluster's shared secret (default ``PATHWAYS_TOKEN``), required by clusters that
-    listen beyond loopback.
+    listen beyond loopback. ``tls_ca`` (the CA that signed the cluster's certificates),
+    ``tls_cert`` and ``tls_key`` (this client's, for mutual TLS) are PEM file paths
+    (default ``PATHWAYS_TLS_CA`` / ``_CERT`` / ``_KEY``) for a cluster that uses TLS; an
+    embedded cluster started here inherits them and serves TLS with ``tls_cert``.
 
     ``memory_budget`` (bytes, or a string such as ``"6G"``) is each worker's buffer
     budget in an embedded cluster (default: the workers split 80% of the memory
@@ -279,6 +283,7 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
         raise ValueError(f"share must be positive, not {share}")
     if token is not None:
         grpc_util.set_token(token)
+    grpc_util.set_tls(tls_cert, tls_key, tls_ca)
     if devices_per_host is None:
         devices_per_host = int(os.environ.get("CPU_NUM_DEVICES", "8"))
     _check_dispatch(dispatch)

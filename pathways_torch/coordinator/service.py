@@ -257,6 +257,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--devices-shared-by", type=int, default=1,
                     help="how many slices (of any clients) may share one device; >1 turns "
                     "on proportional-share time-multiplexing of shared devices")
+    grpc_util.add_tls_arguments(ap)
 
 
 def main(argv=None) -> None:
@@ -273,12 +274,13 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=os.environ.get("PATHWAYS_LOG", "WARNING"),
                         format="%(asctime)s %(name)s %(message)s")
     grpc_util.require_token_for(args.host, "the coordinator")
+    grpc_util.apply_tls_arguments(args)
     if getattr(args, "parent_pid", 0):
         _proc.die_with_parent(args.parent_pid)
     srv = grpc_util.server(max_workers=64)
     service = CoordinatorService(args.devices_shared_by)
     pbg.add_CoordinatorServicer_to_server(service, srv)
-    port = srv.add_insecure_port(f"{args.host}:{args.port}")
+    port = grpc_util.add_port(srv, f"{args.host}:{args.port}")
     srv.start()
     # The embedded cluster and pathways-run read this line to learn the port.
     print(f"PATHWAYS_COORDINATOR_PORT={port}", flush=True)

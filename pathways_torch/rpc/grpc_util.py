@@ -4,6 +4,13 @@ A cluster that listens beyond loopback must be started with a shared token
 (``PATHWAYS_TOKEN`` or ``--token``). Every channel then sends it as gRPC metadata and
 every server (coordinator, worker agents, executors) refuses calls without it, with
 ``UNAUTHENTICATED``. Processes started by a launcher inherit it through the environment.
+
+TLS is on when ``PATHWAYS_TLS_CERT`` / ``PATHWAYS_TLS_KEY`` / ``PATHWAYS_TLS_CA`` (PEM
+file paths) are set, by the launchers' ``--tls-*`` flags or ``set_tls``, and, like the
+token, inherited by every process a launcher or worker starts. Every server then binds
+with ``ssl_server_credentials`` through ``add_port`` (client certificates required when a
+CA is given: mutual TLS) and every ``channel`` uses ``ssl_channel_credentials``; the data
+plane (``worker/dataplane.py``) wraps its sockets with the same files.
 """
 
 from __future__ import annotations
@@ -13,13 +20,23 @@ import ipaddress
 import os
 import socket
 from concurrent import futures
-from typing import Optional, Tuple
+from functools import lru_cache
+from typing import NamedTuple, Optional, Tuple
 
 import grpc
+
+from ..errors import PathwaysError
 
 MAX_MESSAGE_BYTES = 64 << 20
 TOKEN_ENV = "PATHWAYS_TOKEN"
 TOKEN_KEY = "x-pathways-token"
+TLS_CERT_ENV = "PATHWAYS_TLS_CERT"
+TLS_KEY_ENV = "PATHWAYS_TLS_KEY"
+TLS_CA_ENV = "PATHWAYS_TLS_CA"
+#: The name every server's certificate is checked against instead of the host dialled
+#: (one certificate shared by all nodes; gRPC's ssl_target_name_override).
+TLS_NAME_ENV = "PATHWAYS_TLS_SERVER_NAME"
+_TLS_ENVS = (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV, TLS_NAME_ENV)
 
 OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -48,6 +65,82 @@ def set_token(value: Optional[str]) -> None:
     """Use ``value`` as this process's token (None: fall back to PATHWAYS_TOKEN)."""
     global _token
     _token = value
+
+
+class TLSFiles(NamedTuple):
+    """This process's TLS settings: PEM file paths ("" where unset), the name to expect."""
+
+    cert: str
+    key: str
+    ca: str
+    server_name: str
+
+
+def tls() -> Optional[TLSFiles]:
+    """The TLS settings of this process, from PATHWAYS_TLS_* (None: plain text)."""
+    cert, key, ca, name = (os.environ.get(n, "") for n in _TLS_ENVS)
+    if not (cert or key or ca):
+        return None
+    return TLSFiles(cert, key, ca, name)
+
+
+def set_tls(cert: Optional[str] = None, key: Optional[str] = None,
+            ca: Optional[str] = None, server_name: Optional[str] = None) -> None:
+    """Use TLS in this process and in every process it starts from now on.
+
+    ``cert``/``key``: this process's certificate chain and private key (PEM files); a
+    server must have them, a client presents them for mutual TLS. ``ca``: the CA that
+    signed the peers' certificates (default: the system's roots); a server given one
+    requires client certificates signed by it (mutual TLS). ``server_name``: check every
+    server's certificate against this name instead of the host dialled.
+
+    The settings live in ``os.environ`` (PATHWAYS_TLS_*), not in this module, so that an
+    embedded cluster, executors and a launcher's script inherit the same ones. ``None``
+    leaves a setting as it is, ``""`` clears it; clearing all turns TLS off.
+    """
+    new = {}
+    for name, value in zip(_TLS_ENVS, (cert, key, ca, server_name), strict=True):
+        if value and name != TLS_NAME_ENV:
+            if not os.path.isfile(value):
+                raise PathwaysError(f"TLS file {value!r} does not exist")
+            value = os.path.abspath(value)
+        new[name] = os.environ.get(name, "") if value is None else value
+    if bool(new[TLS_CERT_ENV]) != bool(new[TLS_KEY_ENV]):
+        raise PathwaysError("TLS needs a certificate and its private key together: give "
+                            f"both --tls-cert and --tls-key ({TLS_CERT_ENV}, {TLS_KEY_ENV})")
+    for name, value in new.items():
+        if value:
+            os.environ[name] = value
+        else:
+            os.environ.pop(name, None)
+
+
+def add_tls_arguments(ap) -> None:
+    """Add ``--tls-cert``, ``--tls-key``, ``--tls-ca`` to a command's argument parser."""
+    ap.add_argument("--tls-cert", default=None,
+                    help=f"this node's certificate chain, PEM (default: {TLS_CERT_ENV}); "
+                    "turns on TLS for gRPC and the data plane")
+    ap.add_argument("--tls-key", default=None,
+                    help=f"the private key of --tls-cert, PEM (default: {TLS_KEY_ENV})")
+    ap.add_argument("--tls-ca", default=None,
+                    help=f"the CA that signed the cluster's certificates, PEM (default: "
+                    f"{TLS_CA_ENV}); servers given one require client certificates "
+                    "(mutual TLS)")
+
+
+def apply_tls_arguments(args) -> None:
+    """``set_tls`` from ``add_tls_arguments``' flags (absent flags leave the env as is)."""
+    set_tls(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+            getattr(args, "tls_ca", None))
+
+
+@lru_cache(maxsize=16)
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise PathwaysError(f"cannot read TLS file {path!r}: {e.strerror}") from None
 
 
 def is_loopback(host: str) -> bool:
@@ -121,8 +214,115 @@ class _CheckToken(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(self._deny)
 
 
+class _ExplainedError(grpc.RpcError):
+    """A failed call's error with a message that says what to check."""
+
+    def __init__(self, err: grpc.RpcError, details: str) -> None:
+        super().__init__(details)
+        self._err, self._details = err, details
+
+    def code(self):
+        return self._err.code()
+
+    def details(self) -> str:
+        return self._details
+
+    def __getattr__(self, name):
+        return getattr(self._err, name)
+
+    def __str__(self) -> str:
+        return f"{self.code()}: {self._details}"
+
+
+class _ExplainedStream:
+    """A server-streaming call whose first failure, if it never connected, is explained."""
+
+    def __init__(self, call, explain) -> None:
+        self._call, self._explain = call, explain
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        explain = self._explain
+        if explain is None:
+            return next(self._call)
+        try:
+            item = next(self._call)
+        except grpc.RpcError as e:
+            better = explain(e)
+            if better is None:
+                raise
+            raise better from None
+        self._explain = None
+        return item
+
+    def __getattr__(self, name):
+        return getattr(self._call, name)
+
+
+class _ExplainRefusal(grpc.UnaryStreamClientInterceptor):
+    """Turn a failed TLS handshake into an error that says so.
+
+    A first contact (a client's ``OpenSession``, a worker's ``RegisterWorker``) is a
+    server-streaming call; when its connection fails, gRPC only says "Socket closed" or
+    quotes an OpenSSL code. Only that call type is intercepted, so others cost nothing.
+    """
+
+    def __init__(self, address: str, tls_on: bool) -> None:
+        self._address, self._tls_on = address, tls_on
+
+    def _explain(self, e: grpc.RpcError):
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        d = e.details() or ""
+        low = d.lower()
+        where = self._address
+        if "wrong_version_number" in low:
+            return _ExplainedError(e, (
+                f"{where} does not speak TLS ({d}): drop the --tls-* settings "
+                f"({TLS_CERT_ENV}, {TLS_KEY_ENV}, {TLS_CA_ENV}) for a cluster without TLS, "
+                "or start the cluster with them"))
+        if "ssl" in low or "handshake" in low or "certificate" in low or "tsi_" in low:
+            if not self._tls_on:
+                return None
+            return _ExplainedError(e, (
+                f"the TLS handshake with {where} failed ({d}): check that --tls-ca "
+                f"({TLS_CA_ENV}) is the CA that signed the cluster's certificates and "
+                f"that their names cover {where.rsplit(':', 1)[0]} (or set "
+                f"{TLS_NAME_ENV})"))
+        if "socket closed" not in low and "connection reset" not in low:
+            return None
+        if self._tls_on:
+            return _ExplainedError(e, (
+                f"{where} closed the connection during the TLS handshake ({d}): a cluster "
+                f"with mutual TLS needs this process's certificate, signed by its CA "
+                f"(--tls-cert/--tls-key, {TLS_CERT_ENV}/{TLS_KEY_ENV}); a cluster "
+                "without TLS needs no --tls-* settings"))
+        return _ExplainedError(e, (
+            f"{where} closed the connection ({d}); if the cluster uses TLS, give this "
+            f"process its certificate settings: --tls-ca (and --tls-cert/--tls-key for "
+            f"mutual TLS), {TLS_CA_ENV}=..., or pw.init(tls_ca=...)"))
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return _ExplainedStream(continuation(client_call_details, request), self._explain)
+
+
 def channel(address: str) -> grpc.Channel:
-    ch = grpc.insecure_channel(address, options=OPTIONS)
+    """A channel to ``address`` with this process's TLS settings and token."""
+    cfg = tls()
+    if cfg is None:
+        ch = grpc.insecure_channel(address, options=OPTIONS)
+    else:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_read(cfg.ca) if cfg.ca else None,
+            private_key=_read(cfg.key) if cfg.key else None,
+            certificate_chain=_read(cfg.cert) if cfg.cert else None)
+        options = OPTIONS
+        if cfg.server_name:
+            options = OPTIONS + [("grpc.ssl_target_name_override", cfg.server_name)]
+        ch = grpc.secure_channel(address, creds, options=options)
+    ch = grpc.intercept_channel(ch, _ExplainRefusal(address, cfg is not None))
     t = token()
     return grpc.intercept_channel(ch, _AddToken(t)) if t else ch
 
@@ -134,9 +334,33 @@ def server(max_workers: int = 16) -> grpc.Server:
                        interceptors=[_CheckToken(t)] if t else None)
 
 
+def add_port(srv: grpc.Server, address: str) -> int:
+    """Bind ``address`` (``host:port``, port 0: any free one) and return the port.
+
+    With TLS configured the port takes TLS only, and with a CA it requires client
+    certificates signed by it (mutual TLS); without, it is plain text. Every server of
+    the cluster binds through here.
+    """
+    cfg = tls()
+    if cfg is None:
+        port = srv.add_insecure_port(address)
+    else:
+        if not (cfg.cert and cfg.key):
+            raise PathwaysError(
+                f"serving TLS on {address} needs a certificate and key: give --tls-cert and "
+                f"--tls-key ({TLS_CERT_ENV}, {TLS_KEY_ENV})")
+        creds = grpc.ssl_server_credentials(
+            [(_read(cfg.key), _read(cfg.cert))],
+            root_certificates=_read(cfg.ca) if cfg.ca else None,
+            require_client_auth=bool(cfg.ca))
+        port = srv.add_secure_port(address, creds)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    return port
+
+
 def bind_any_port(srv: grpc.Server, host: str = "127.0.0.1") -> Tuple[str, int]:
     """Bind port 0 on ``host`` and return (address, port)."""
-    port = srv.add_insecure_port(f"{host}:0")
-    if port == 0:
-        raise RuntimeError(f"could not bind a port on {host}")
+    port = add_port(srv, f"{host}:0")
     return f"{host}:{port}", port
+

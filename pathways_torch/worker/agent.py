@@ -248,6 +248,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--register-timeout", type=float, default=120.0,
                     help="give up when the coordinator is not up within this many seconds "
                     "(0: retry forever)")
+    from ..rpc import grpc_util
+    grpc_util.add_tls_arguments(ap)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -260,6 +262,7 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit("the worker needs --coordinator-address HOST:PORT (or "
                          "PATHWAYS_COORDINATOR_ADDRESS)")
     grpc_util.require_token_for(args.bind_host, "the worker")
+    grpc_util.apply_tls_arguments(args)
     if getattr(args, "parent_pid", 0):
         _proc.die_with_parent(args.parent_pid)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -283,7 +286,7 @@ def serve(args: argparse.Namespace) -> None:
                             arbiter.path, max(1, budget // num_devices))
     srv = grpc_util.server(max_workers=32)
     pbg.add_WorkerServicer_to_server(service, srv)
-    port = srv.add_insecure_port(f"{args.bind_host}:0")
+    port = grpc_util.add_port(srv, f"{args.bind_host}:0")
     srv.start()
     service.address = f"{args.bind_host}:{port}"
 

@@ -10,18 +10,35 @@ file in /dev/shm and only the header crosses the socket.
 Frame: ``MAGIC, transfer_id, flags, nbytes, aux_len`` (little-endian), then ``aux``
 (an error's BufferError bytes, or the shm path), then ``nbytes`` of payload unless
 the frame is an error or shm frame.
+
+Authentication (only when the cluster has a token): before any frame, the receiver sends
+``AUTH_MAGIC, nonce_s``; the sender answers ``AUTH_MAGIC, nonce_c, HMAC(token, "client"
+nonce_s nonce_c)`` and the receiver, if that is right, ``HMAC(token, "server" nonce_s
+nonce_c)``, which the sender checks in turn. A connection that fails is closed and
+logged before a header is read, so nothing it sent can reach a transfer. The token never
+crosses the wire and an answer cannot be replayed (fresh nonces); it costs one round
+trip per connection, and connections are reused. With TLS configured
+(``grpc_util.tls()``) the sockets are wrapped with ``ssl`` first, with the files gRPC
+uses; the /dev/shm path is unchanged (only headers cross the socket).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 import mmap
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Optional, Tuple
+
+from ..errors import PathwaysError
+from ..rpc import grpc_util
 
 MAGIC = b"PWXFER01"
 HEADER = struct.Struct("<8sQQQI")
@@ -29,6 +46,45 @@ FLAG_ERROR, FLAG_SHM = 1, 2
 MAX_BYTES = 1 << 40
 MAX_AUX = 1 << 20
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+AUTH_MAGIC = b"PWAUTH01"
+CHALLENGE = struct.Struct("<8s32s")          # magic, receiver's nonce
+RESPONSE = struct.Struct("<8s32s32s")        # magic, sender's nonce, sender's MAC
+PROOF = 32                                   # receiver's MAC
+AUTH_TIMEOUT = 10.0                          # seconds a new connection has to prove itself
+
+log = logging.getLogger("pathways.dataplane")
+
+
+def _mac(token: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    return hmac.new(token, b"pathways data plane v1 " + role + nonce_s + nonce_c,
+                    hashlib.sha256).digest()
+
+
+def tls_contexts(cfg: Optional[grpc_util.TLSFiles]
+                 ) -> Tuple[Optional[ssl.SSLContext], Optional[ssl.SSLContext]]:
+    """(server, client) SSL contexts for data-plane sockets; (None, None) without TLS.
+
+    Same policy as gRPC's: the client verifies the server's certificate and name (against
+    the CA, or the system's roots), the server requires a client certificate when it has
+    a CA (mutual TLS).
+    """
+    if cfg is None:
+        return None, None
+    if not (cfg.cert and cfg.key):
+        raise PathwaysError(
+            "the data plane serves TLS and needs a certificate and key: give --tls-cert "
+            f"and --tls-key ({grpc_util.TLS_CERT_ENV}, {grpc_util.TLS_KEY_ENV})")
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cfg.cert, cfg.key)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.load_cert_chain(cfg.cert, cfg.key)
+    if cfg.ca:
+        server.verify_mode = ssl.CERT_REQUIRED
+        server.load_verify_locations(cafile=cfg.ca)
+        client.load_verify_locations(cafile=cfg.ca)
+    else:
+        client.load_default_certs()
+    return server, client
 
 
 class Arrival:
@@ -61,8 +117,16 @@ def _close_payload(arrival: "Arrival") -> None:
 class DataPlane:
     """Listens for incoming transfers and sends outgoing ones (a small thread pool)."""
 
-    def __init__(self, bind_host: str, recorder=None) -> None:
+    def __init__(self, bind_host: str, recorder=None, token: Optional[str] = None,
+                 tls: Optional[grpc_util.TLSFiles] = None) -> None:
+        """``token``/``tls``: default to the process's (grpc_util.token(), .tls())."""
         self.rec = recorder             # a tracing.Recorder (spans while profiling)
+        t = grpc_util.token() if token is None else token
+        self._token = t.encode() if t else b""
+        cfg = grpc_util.tls() if tls is None else tls
+        self._tls_server, self._tls_client = tls_contexts(cfg)
+        self._tls_name = cfg.server_name if cfg is not None else ""
+        self.refused = 0                # connections closed for failing authentication
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((bind_host, 0))
@@ -94,7 +158,54 @@ class DataPlane:
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="pw-data-recv %s:%d" % peer[:2]).start()
 
+    def _admit(self, conn: socket.socket) -> Optional[socket.socket]:
+        """TLS handshake and token check of a new connection; None once it is refused."""
+        try:
+            peer = "%s:%d" % conn.getpeername()[:2]
+        except OSError:
+            peer = "?"
+        try:
+            conn.settimeout(AUTH_TIMEOUT)
+            if self._tls_server is not None:
+                conn = self._tls_server.wrap_socket(conn, server_side=True,
+                                                    do_handshake_on_connect=False)
+                try:
+                    conn.do_handshake()
+                except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
+                    conn.close()            # connected and closed: a liveness probe
+                    return None
+            if self._token:
+                nonce_s = os.urandom(32)
+                got = bytearray(RESPONSE.size)
+                view = memoryview(got)
+                try:
+                    conn.sendall(CHALLENGE.pack(AUTH_MAGIC, nonce_s))
+                    k = conn.recv_into(view)
+                except (BrokenPipeError, ConnectionResetError):
+                    k = 0
+                if k == 0:
+                    conn.close()            # a liveness probe (executor._listening)
+                    return None
+                _recv_exact(conn, view[k:])
+                magic, nonce_c, mac = RESPONSE.unpack(got)
+                if magic != AUTH_MAGIC or not hmac.compare_digest(
+                        mac, _mac(self._token, b"client", nonce_s, nonce_c)):
+                    raise PermissionError("missing or wrong cluster token")
+                conn.sendall(_mac(self._token, b"server", nonce_s, nonce_c))
+            conn.settimeout(None)
+            return conn
+        except (OSError, ValueError) as e:
+            self.refused += 1
+            log.warning("data plane %s refused a connection from %s: %s", self.address,
+                        peer, e)
+            conn.close()
+            return None
+
     def _serve(self, conn: socket.socket) -> None:
+        if self._token or self._tls_server is not None:
+            conn = self._admit(conn)
+            if conn is None:
+                return
         head = bytearray(HEADER.size)
         rec = self.rec
         try:
@@ -206,10 +317,48 @@ class DataPlane:
             if c is None:
                 host, port = address.rsplit(":", 1)
                 s = socket.create_connection((host, int(port)), timeout=30)
-                s.settimeout(None)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._token or self._tls_client is not None:
+                    s = self._prove(s, address, host)
+                s.settimeout(None)
                 c = self._conns[address] = (s, threading.Lock())
             return c
+
+    def _prove(self, s: socket.socket, address: str, host: str) -> socket.socket:
+        """TLS handshake and the token exchange on a new outgoing connection."""
+        try:
+            if self._tls_client is not None:
+                s = self._tls_client.wrap_socket(s, server_hostname=self._tls_name or host)
+            if self._token:
+                got = bytearray(CHALLENGE.size)
+                try:
+                    _recv_exact(s, memoryview(got))
+                except (socket.timeout, ConnectionError):
+                    raise ConnectionError(
+                        f"the data plane at {address} did not ask for the cluster token: "
+                        "are both ends configured with the same token and TLS "
+                        "settings?") from None
+                magic, nonce_s = CHALLENGE.unpack(got)
+                if magic != AUTH_MAGIC:
+                    raise ConnectionError(f"the data plane at {address} answered with a "
+                                          "wrong greeting")
+                nonce_c = os.urandom(32)
+                s.sendall(RESPONSE.pack(AUTH_MAGIC, nonce_c,
+                                        _mac(self._token, b"client", nonce_s, nonce_c)))
+                proof = bytearray(PROOF)
+                try:
+                    _recv_exact(s, memoryview(proof))
+                except ConnectionError:
+                    raise PermissionError(f"the data plane at {address} refused this "
+                                          "process's cluster token") from None
+                if not hmac.compare_digest(bytes(proof),
+                                           _mac(self._token, b"server", nonce_s, nonce_c)):
+                    raise PermissionError(f"the data plane at {address} does not know the "
+                                          "cluster token")
+        except BaseException:
+            s.close()
+            raise
+        return s
 
     def send(self, address: str, transfer_id: int, payload: Optional[memoryview],
              error: Optional[bytes] = None, same_host: bool = False) -> None:

@@ -46,7 +46,7 @@ def run_executor(req: dict) -> None:
         service = ExecutorService(req)
         srv = grpc_util.server(max_workers=16)
         pbg.add_ExecutorServicer_to_server(service, srv)
-        port = srv.add_insecure_port(f"{req['bind_host']}:0")
+        port = grpc_util.add_port(srv, f"{req['bind_host']}:0")
         srv.start()
     except Exception as e:  # report why, so the client sees it
         agent.ExecutorReady(pb.ExecutorReadyRequest(
