@@ -55,3 +55,40 @@ def test_a_killed_worker_fails_its_arrays_fast_and_the_other_island_goes_on(two_
     with pytest.raises(pw.ResourceExhaustedError, match="island 0 is lost"):
         pw.slice((2,), island=0)                  # lost devices are not handed out
     assert double(xb).torch().tolist() == [4.0] * 4   # island 1 is untouched
+
+
+@pw.program
+def slow(x):
+    """Seconds of work: 40 dependent 1024x1024 matmuls (a contraction, so stable)."""
+    for _ in range(40):
+        x = torch.tanh(x @ x) * 0.5 + 0.01
+    return x
+
+
+def test_a_transfer_from_a_killed_worker_fails_fast_naming_the_sender(two_islands):
+    a = pw.slice((2,), island=0)
+    b = pw.slice((2,), island=1)
+    x = pw.put(torch.randn(1024, 1024) / 32, b)
+    y = slow(x).to(a)             # island 0 waits for island 1's bytes
+    os.kill(worker_pid(two_islands, 1), signal.SIGKILL)      # ... which never come
+    t0 = time.monotonic()
+    with pytest.raises(pw.WorkerLostError, match="from island 1 host 0 cannot arrive"):
+        y.torch()
+    assert time.monotonic() - t0 < 5.0
+    assert pw.put(torch.ones(2), a).torch().tolist() == [1.0, 1.0]   # island 0 goes on
+
+
+def test_every_blocking_call_has_a_settable_deadline(two_islands):
+    s = pw.slice((2,), island=0)
+    x = pw.put(torch.randn(1024, 1024) / 32, s)
+    y = slow(slow(x))
+    t0 = time.monotonic()
+    with pytest.raises(pw.TimeoutError, match="timeout="):
+        y.torch(timeout=0.2)
+    with pytest.raises(pw.TimeoutError):
+        pw.wait([y], timeout=0.2)
+    assert time.monotonic() - t0 < 5.0
+    ref = x.torch()
+    for _ in range(80):
+        ref = torch.tanh(ref @ ref) * 0.5 + 0.01
+    torch.testing.assert_close(y.torch(), ref, rtol=1e-4, atol=1e-5)   # still computed
