@@ -140,6 +140,41 @@ def test_fit_takes_callables_and_iterables_and_checks_its_arguments(cluster, tmp
     c.slices[0].release()
 
 
+def test_multi_island_replicas_are_rebuilt_on_both_islands(cluster, tmp_path):
+    """Killing island 0's worker: the replica on island 1 is released too (it may wait
+    for a gradient transfer from the dead one) and both come back."""
+    _until(lambda: "lost" not in {d.state for d in pw.devices()}, 120)
+    data = batches(6)
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        par = pw.MultiIsland([pw.slice((2,), island=0), pw.slice((2,), island=1)], "data")
+        return pw.Trainer(model, opt, torch.nn.functional.mse_loss, parallelism=par)
+
+    trainer = make()
+    first = trainer.slices
+
+    def on_step(i, loss):
+        if i == 3 and not trainer.restarts:
+            os.kill(cluster.worker_pid(0), signal.SIGKILL)
+
+    losses = trainer.fit(data, checkpoint_dir=str(tmp_path), checkpoint_every=2,
+                         max_restarts=1, on_step=on_step)
+    assert len(trainer.restarts) == 1 and trainer.restarts[0].resumed_from in (2, 4)
+    assert [s.island for s in trainer.slices] == [0, 1]
+    assert all(s.released for s in first)
+    assert trainer.parallelism.slices == tuple(trainer.slices)
+    for s in trainer.slices:
+        s.release()
+    again = make()
+    assert again.fit(data) == losses
+    for s in again.slices:
+        s.release()
+
+
 def test_the_local_cluster_restarts_a_dead_worker_a_bounded_number_of_times():
     with LocalCluster(devices_per_host=1, max_restarts=1, restart_backoff=0.1) as c:
         first = c.worker_pid(0)
