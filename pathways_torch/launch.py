@@ -45,6 +45,7 @@ from typing import List, Optional
 from .client.cluster import ADDRESS_ENV
 from .errors import PathwaysError
 from .rpc import grpc_util
+from .worker.memory import parse_bytes
 
 
 def _env_int(name: str, default: int) -> int:
@@ -98,6 +99,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     default=_env_int("NODE_RANK", 0), help="worker: host index in its island")
     ap.add_argument("--bind-host", default="127.0.0.1",
                     help="worker: address it and its executors listen on")
+    ap.add_argument("--memory-budget", default="",
+                    help="worker / local: bytes of buffers a host's devices may hold in "
+                    "all, e.g. 48G (default: 80%% of the memory available, split over the "
+                    "local workers)")
     ap.add_argument("--register-timeout", type=float, default=0.0,
                     help="worker: give up if the coordinator is not up in this many "
                     "seconds (0: retry forever)")
@@ -106,6 +111,11 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("script", nargs="?", help="the client script (or module with -m)")
     ap.add_argument("script_args", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
+    if args.memory_budget:
+        try:
+            parse_bytes(args.memory_budget)
+        except ValueError as e:
+            ap.error(str(e))
     if not (args.coordinator or args.worker) and not args.script:
         ap.error("give the client SCRIPT to run (or --coordinator / --worker)")
     if args.worker and not args.coordinator_address:
@@ -134,6 +144,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         serve(argparse.Namespace(coordinator=args.coordinator_address, island=args.island,
                                  host=args.node_rank, devices=args.devices_per_host,
                                  bind_host=args.bind_host,
+                                 memory_budget=args.memory_budget,
                                  register_timeout=args.register_timeout))
         return 0
     return _run_client(args)
@@ -147,7 +158,9 @@ def _run_client(args: argparse.Namespace) -> int:
     else:
         from .client.cluster import LocalCluster
         cluster = LocalCluster(args.islands, args.hosts_per_island, args.devices_per_host,
-                               devices_shared_by=args.devices_shared_by)
+                               devices_shared_by=args.devices_shared_by,
+                               memory_budget=parse_bytes(args.memory_budget)
+                               if args.memory_budget else None)
         env[ADDRESS_ENV] = cluster.address
     cmd = [sys.executable] + (["-m"] if args.module else []) + [args.script] + args.script_args
     child = None
