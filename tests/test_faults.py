@@ -12,7 +12,9 @@ from pathways_torch.client import runtime
 
 
 @pytest.fixture()
-def two_islands():
+def two_islands(monkeypatch):
+    # a killed worker stays lost here (tests/test_elastic.py has the restarts)
+    monkeypatch.setenv("PATHWAYS_RESTART_WORKERS", "0")
     pw.init(islands=2, devices_per_host=2, timeout=60)
     try:
         yield runtime._state.cluster

@@ -41,6 +41,10 @@ RESTART_ENV = "PATHWAYS_RESTART_WORKERS"
 
 log = logging.getLogger("pathways_torch.cluster")
 
+#: A worker that ran this long before it died starts a new count of restarts: the bound
+#: stops crash loops, not a long-running cluster's occasional loss.
+STABLE_S = 60.0
+
 
 @dataclasses.dataclass
 class WorkerRestart:
@@ -60,7 +64,8 @@ class _Worker:
     env: dict
     log_name: str
     proc: subprocess.Popen
-    restarts: int = 0
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    restarts: int = 0               # in a row (see STABLE_S)
     due: Optional[float] = None     # when a pending restart starts (monotonic)
     gave_up: bool = False
 
@@ -71,7 +76,8 @@ class LocalCluster:
     With ``restart_workers`` (default on, unless ``PATHWAYS_RESTART_WORKERS=0``), a
     monitor thread restarts a worker process that exits while the cluster runs: after
     ``restart_backoff`` seconds, doubled at each further restart of the same worker, at
-    most ``max_restarts`` times per worker; each restart is logged (logger
+    most ``max_restarts`` times in a row per worker (a worker that ran for
+    ``STABLE_S`` = 60 s before it died starts a new count); each restart is logged (logger
     ``pathways_torch.cluster``) and recorded in ``restarts``. The replacement registers
     for the same island and host, with fresh devices. ``stop()`` never races with a
     restart: once it begins, nothing is started any more.
@@ -186,6 +192,8 @@ class LocalCluster:
         now = time.monotonic()
         if w.due is None:
             code = w.proc.returncode
+            if now - w.started >= STABLE_S:
+                w.restarts = 0
             # The dead worker's executors and zygote die with it (parent-death signal);
             # make sure of it before a replacement comes.
             _signal_group(w.proc.pid, signal.SIGKILL)
@@ -207,6 +215,7 @@ class LocalCluster:
             f.write(f"\n--- pathways: the worker exited with code {old.returncode}; "
                     f"restarted by the local cluster ---\n".encode())
         w.proc = self._spawn(w.args, w.env, w.log_name, append=True)
+        w.started = time.monotonic()
         w.restarts += 1
         w.due = None
         self.procs[self.procs.index(old)] = w.proc
