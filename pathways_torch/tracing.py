@@ -101,6 +101,10 @@ class Recorder:
             self.on = True
             return session
 
+    def active(self, session: int) -> bool:
+        """Whether ``session`` (a number start returned) is open."""
+        return session in self._sessions
+
     def stop(self, session: int) -> Tuple[List[Span], int]:
         """Close a session; returns its spans and how many were dropped."""
         with self._lock:

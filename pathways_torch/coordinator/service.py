@@ -13,7 +13,7 @@ import uuid
 import grpc
 
 from .. import _proc, tracing
-from ..rpc import grpc_util
+from ..rpc import grpc_util, validate
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
 from .resources import AllocationError, ResourceManager
@@ -40,6 +40,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
     def RegisterWorker(self, request, context):
         """A worker's session: registered while this stream lives, lost when it breaks
         (a killed worker's connection closes at once; heartbeats find silent ones)."""
+        validate.guard(context, validate.check_register_worker, request)
         try:
             h = self.rm.add_host(request.island, request.host, request.num_devices,
                                  request.kind, request.address, request.pid)
@@ -79,6 +80,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
 
     # -- clients
     def OpenSession(self, request, context):
+        validate.guard(context, validate.check_open_session, request)
         client_id = f"c{uuid.uuid4().hex}"   # unguessable: it proves ownership
         done = threading.Event()
         with self._lock:
@@ -119,6 +121,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
         if session is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           f"unknown client {request.client_id!r}: open a session first")
+        validate.guard(context, validate.check_allocate, request)
         island = None if request.any_island else request.island
         try:
             rec = self.rm.reserve(request.client_id, list(request.mesh_shape),
@@ -162,9 +165,12 @@ class CoordinatorService(pbg.CoordinatorServicer):
         return reply
 
     def _release_slice(self, request, context):
+        self._known_client(request.client_id, context)
         rec = self.rm.slices.get(request.slice_id)
         if rec is None:
-            return pb.Empty()
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"slice {request.slice_id[:64]!r} does not exist (released, lost "
+                          "with its worker, or never allocated)")
         if rec.client_id != request.client_id:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"slice {request.slice_id} belongs to another client")
@@ -173,10 +179,14 @@ class CoordinatorService(pbg.CoordinatorServicer):
 
     def Schedule(self, request, context):
         """Give a gang submission its position in each touched island's total order."""
+        self._known_client(request.client_id, context)
+        validate.guard(context, validate.check_ids, list(request.slice_ids), "slice id")
         recs = []
         for sid in request.slice_ids:
             rec = self.rm.slices.get(sid)
-            if rec is None or rec.client_id != request.client_id:
+            if rec is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"slice {sid!r} does not exist")
+            if rec.client_id != request.client_id:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"slice {sid} is not one of this client's slices")
             recs.append(rec)
@@ -189,11 +199,19 @@ class CoordinatorService(pbg.CoordinatorServicer):
     # -- profiling
     def Profile(self, request, context):
         """The coordinator's spans and, through it, every worker agent's."""
+        validate.guard(context, validate.check_profile, request, self.rec.active)
         reply = tracing.serve_profile(pb, self.rec, request, "coordinator",
                                       self._collect_agents)
         if request.action == pb.ProfileRequest.START:
             self._start_agents(reply.session)
         return reply
+
+    def _known_client(self, client_id: str, context) -> None:
+        with self._lock:
+            known = client_id in self._sessions
+        if not known:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"unknown client {client_id[:64]!r}: open a session first")
 
     def _agent_call(self, stub, action, session=0):
         return stub.Profile(pb.ProfileRequest(action=action, session=session), timeout=30)

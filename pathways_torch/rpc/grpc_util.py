@@ -27,6 +27,9 @@ import grpc
 
 from ..errors import PathwaysError
 
+#: The largest gRPC message any server or channel takes or sends (set explicitly on both
+#: sides below): a bigger one fails with RESOURCE_EXHAUSTED before any handler sees it.
+#: Tensors travel in codec.CHUNK_BYTES pieces, far below it (tests/test_validation.py).
 MAX_MESSAGE_BYTES = 64 << 20
 TOKEN_ENV = "PATHWAYS_TOKEN"
 TOKEN_KEY = "x-pathways-token"

@@ -90,11 +90,12 @@ def _kill_and_wait(pid: int, timeout: float = 5.0) -> None:
 
 
 def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: str,
-                  arbiter_path: str, device_budget: int):
+                  arbiter_path: str, device_budget: int, num_devices: int = 0):
     import grpc
     from .. import tracing
     from ..rpc import pathways_pb2 as pb
     from ..rpc import pathways_pb2_grpc as pbg
+    from ..rpc import validate
 
     class WorkerService(pbg.WorkerServicer):
         def __init__(self) -> None:
@@ -105,6 +106,7 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
             self.rec = tracing.Recorder(tracing.skew_from_env())
 
         def Profile(self, request, context):
+            validate.guard(context, validate.check_profile, request, self.rec.active)
             return tracing.serve_profile(pb, self.rec, request,
                                          f"worker island {island} host {host}")
 
@@ -117,6 +119,9 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
             return reply
 
         def _start_executor(self, request, context):
+            # Never fork an executor for a request that makes no sense on this host.
+            validate.guard(context, validate.check_start_executor, request,
+                           num_devices or validate.MAX_DEVICES)
             ev, box = threading.Event(), []
             with self._lock:
                 if request.slice_id in self.executors or request.slice_id in self._pending:
@@ -148,17 +153,22 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
         def ExecutorReady(self, request, context):
             with self._lock:
                 pending = self._pending.get(request.slice_id)
-            if pending is not None:
-                pending[1].append(request)
-                pending[0].set()
+            if pending is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"no executor of slice "
+                              f"{request.slice_id[:64]!r} is starting here")
+            validate.guard(context, validate.check_executor_ready, request)
+            pending[1].append(request)
+            pending[0].set()
             return pb.Empty()
 
         def StopExecutor(self, request, context):
             t0 = self.rec.now() if self.rec.on else 0
             with self._lock:
                 pid = self.executors.pop(request.slice_id, None)
-            if pid is not None:
-                _kill_and_wait(pid)
+            if pid is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"slice {request.slice_id[:64]!r}"
+                              " has no executor here")
+            _kill_and_wait(pid)
             self.rec.add("rpc", "StopExecutor", t0, detail=request.slice_id)
             return pb.Empty()
 
@@ -283,7 +293,7 @@ def serve(args: argparse.Namespace) -> None:
     from .memory import default_budget, parse_bytes
     budget = parse_bytes(args.memory_budget) if args.memory_budget else default_budget()
     service = _make_service(zygote, args.island, args.host, kind, args.bind_host,
-                            arbiter.path, max(1, budget // num_devices))
+                            arbiter.path, max(1, budget // num_devices), num_devices)
     srv = grpc_util.server(max_workers=32)
     pbg.add_WorkerServicer_to_server(service, srv)
     port = grpc_util.add_port(srv, f"{args.bind_host}:0")

@@ -23,7 +23,7 @@ import warnings
 from concurrent.futures import Future
 
 from .. import tracing
-from ..rpc import codec
+from ..rpc import codec, validate
 from ..sharding import P, spec_candidates, spec_from_proto, spec_to_proto
 from .memory import gib
 from .store import Entry
@@ -62,10 +62,11 @@ def run_executor(req: dict) -> None:
 
 class _Program:
     __slots__ = ("name", "xla_name", "comp", "params", "constants", "out_specs", "out_bytes",
-                 "out_nbytes", "out_shards", "donate", "out_device_bytes")
+                 "out_nbytes", "out_shards", "donate", "out_device_bytes", "in_avals")
 
     def __init__(self, name, xla_name, comp, params, constants, out_specs):
         self.donate = ()
+        self.in_avals = []            # (dtype name, shape) of each flat input
         self.out_bytes = 0
         self.out_nbytes = []
         self.out_device_bytes = 0     # bytes its outputs take on each device
@@ -146,6 +147,8 @@ class ExecutorService(_make_servicer_base()):
         self.backpressure_waits = 0     # ops that waited for memory, and for how long
         self.backpressure_seconds = 0.0
         self._events: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._stream_lock = threading.Lock()
+        self._streaming = False         # a Dispatch stream is open
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
 
@@ -214,6 +217,8 @@ class ExecutorService(_make_servicer_base()):
 
     def Compile(self, request, context):
         self._authorize(context)
+        validate.guard(context, validate.check_compile, request, self.axis_names,
+                       self._cap())
         fut: Future = Future()
         rec = self.rec
         self._queue.put(("compile", request, fut, rec.now() if rec.on else 0))
@@ -229,6 +234,16 @@ class ExecutorService(_make_servicer_base()):
     def Dispatch(self, request_iterator, context):
         self._authorize(context)
         rec = self.rec
+        # One stream at a time: the op numbering (after_seq) and the barrier events
+        # belong to one client stream.
+        with self._stream_lock:
+            if self._streaming:
+                import grpc
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"slice {self.slice_id} on {self.where} already has a "
+                              "Dispatch stream; a slice serves one client stream")
+            self._streaming = True
+            events = self._events = queue.SimpleQueue()
 
         def pump():
             index = 0
@@ -244,17 +259,22 @@ class ExecutorService(_make_servicer_base()):
             except Exception:
                 pass
             finally:
-                self._events.put(None)
+                events.put(None)
 
         threading.Thread(target=pump, name="dispatch-pump", daemon=True).start()
-        while True:
-            ev = self._events.get()
-            if ev is None:
-                return
-            yield ev
+        try:
+            while True:
+                ev = events.get()
+                if ev is None:
+                    return
+                yield ev
+        finally:
+            with self._stream_lock:
+                self._streaming = False
 
     def Fetch(self, request, context):
         self._authorize(context)
+        validate.guard(context, validate.check_timeout, request.timeout_s)
         rec = self.rec
         t0 = rec.now() if rec.on else 0
         nbytes = 0
@@ -305,6 +325,7 @@ class ExecutorService(_make_servicer_base()):
 
     def Wait(self, request, context):
         self._authorize(context)
+        validate.guard(context, validate.check_wait, request)
         rec = self.rec
         t0 = rec.now() if rec.on else 0
         try:
@@ -363,6 +384,7 @@ class ExecutorService(_make_servicer_base()):
 
     def Profile(self, request, context):
         self._authorize(context)
+        validate.guard(context, validate.check_profile, request, self.rec.active)
         if request.action == self.pb.ProfileRequest.STOP:
             # The client sent STOP after a barrier: every op it had dispatched ran. Sends
             # run on the sender pool; let those already under way finish and record.
@@ -429,6 +451,11 @@ class ExecutorService(_make_servicer_base()):
 
     def _one(self, op) -> None:
         which = op.WhichOneof("kind")
+        bad = self._invalid(op, which)
+        if bad is not None:
+            self._reject(which, validate.op_outputs(op), bad,
+                         op.recv.transfer_id if which == "recv" else None)
+            return
         if which == "execute":
             self._execute(op.execute)
         elif which == "put":
@@ -460,6 +487,50 @@ class ExecutorService(_make_servicer_base()):
             self._load(op.load)
             self.rec.add("checkpoint", "load", t0, buffer_ids=op.load.buffer_ids,
                          detail=op.load.path)
+
+    def _invalid(self, op, which):
+        """Why an op of the stream is malformed (a validate.InvalidMessage), or None.
+        Puts are checked chunk by chunk in _put_now."""
+        V = validate
+        try:
+            if which == "execute":
+                x = op.execute
+                V.check_execute(x, self.programs.get(x.program_id), self.store.entries)
+            elif which == "recv":
+                V.check_recv(op.recv, self.axis_names, self._cap(),
+                             self.store.entries.__contains__)
+            elif which == "send":
+                V.check_send(op.send)
+            elif which == "save":
+                V.check_save(op.save, self.store.entries.__contains__)
+            elif which == "load":
+                V.check_load(op.load, self.axis_names, self._cap(),
+                             self.store.entries.__contains__)
+            elif which == "gang":
+                raise V.InvalidMessage("a gang op inside a gang op (graphs do not nest)")
+            elif which is None:
+                raise V.InvalidMessage("an op with no kind")
+        except V.InvalidMessage as e:
+            return e
+        return None
+
+    def _reject(self, which, ids, e, transfer_id=None) -> None:
+        """A malformed op: its outputs fail with ``e`` (kind "input", or "oom"), except
+        ids of live buffers, which keep their value; an op without outputs is dropped."""
+        if not ids:
+            log.warning("dropped a malformed %s op on %s: %s", which, self.where, e)
+            return
+        err = self._err(e.kind, f"refused a malformed {which or 'empty'} op: {e}")
+        live = self.store.entries
+        if transfer_id is not None and ids[0] not in live:
+            self.dataplane.discard(transfer_id)     # its bytes may still come
+        for b in ids:
+            if b not in live:
+                self.store.put(b, Entry(error=err))
+
+    def _cap(self) -> int:
+        """Bytes the slice's devices could hold together (one buffer's upper bound)."""
+        return self.budget * len(self.mesh.device_ids)
 
     # ------------------------------------------------------------------ transfers
     def _resolve(self, entry) -> None:
@@ -597,6 +668,7 @@ class ExecutorService(_make_servicer_base()):
                      if req.has_out_specs else None)
         prog = _Program(req.name, xla_name, comp, params, constants, out_specs)
         prog.donate = tuple(req.donate)
+        prog.in_avals = [(m.dtype, tuple(m.shape)) for m in req.inputs]
 
         def placeholders():
             out = []
@@ -835,6 +907,22 @@ class ExecutorService(_make_servicer_base()):
 
     def _put_now(self, op) -> None:
         parts = self._puts.get(op.buffer_id)
+        bad = parts[2] if parts is not None and parts[0] is None else None
+        if bad is None:
+            others = sum(_nbytes(p[0]) for p in self._puts.values()
+                         if p[0] is not None) if parts is None and self._puts else 0
+            try:
+                validate.check_put(op, parts, others, self.axis_names, self._cap(),
+                                   self.store.entries.__contains__)
+            except validate.InvalidMessage as e:
+                bad = e
+        if bad is not None:     # the rest of a refused put is dropped as it comes
+            if op.last:
+                self._puts.pop(op.buffer_id, None)
+                self._reject("put", [op.buffer_id], bad)
+            else:
+                self._puts[op.buffer_id] = (None, None, bad)
+            return
         if not op.last:
             if parts is None:
                 self._puts[op.buffer_id] = (op.meta, op.spec, [op.data])
