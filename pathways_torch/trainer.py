@@ -405,7 +405,7 @@ class Trainer:
         if max_restarts and checkpoint_dir is None:
             raise PathwaysError("fit(max_restarts=...) resumes from checkpoints: give "
                                 "checkpoint_dir= (a directory every worker can write)")
-        batches = _Batches(data, steps)
+        batches = _Batches(data, steps, replay=checkpoint_dir is not None)
         ckpts = _Checkpoints(checkpoint_dir, keep_checkpoints) if checkpoint_dir else None
         losses: List[float] = []
         if ckpts is not None:
@@ -498,7 +498,7 @@ _AHEAD = 2          # fit: steps dispatched beyond the last loss read back
 class Restart:
     """One elastic restart of ``Trainer.fit`` (in ``trainer.restarts``)."""
 
-    failed_at: int          # the step (1-based) whose loss was not read when the loss hit
+    failed_at: int          # the first step (1-based) whose loss was not read back yet
     resumed_from: int       # the checkpoint's step: fit went on with the step after it
     error: str              # the WorkerLostError
     wait_s: float           # releasing the old slices and getting new ones
@@ -509,8 +509,8 @@ class _Batches:
     """Batch ``i`` of a fit, again after a restart: callables and sequences are
     indexed; a plain iterable's batches are kept from the last checkpoint on."""
 
-    def __init__(self, data: Any, steps: Optional[int]) -> None:
-        self.steps = steps
+    def __init__(self, data: Any, steps: Optional[int], replay: bool) -> None:
+        self.steps, self._replay = steps, replay
         self._data, self._it, self._kept = data, None, {}
         if callable(data) and not hasattr(data, "__iter__"):
             if steps is None:
@@ -535,6 +535,13 @@ class _Batches:
             return self._data(i)
         if self._kind == "seq":
             return self._data[i]
+        if not self._replay and i == self._next:   # no checkpoints: nothing to keep
+            self._next += 1
+            try:
+                return next(self._it)
+            except StopIteration:
+                self.steps = i
+                return None
         while self._next <= i:
             try:
                 self._kept[self._next] = next(self._it)

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Union
 import grpc
 
 from ..errors import (ClusterShutdownError, NotInitializedError, PathwaysError,
-                      ResourceExhaustedError, ShardingError)
+                      ResourceExhaustedError, ShardingError, WorkerLostError)
 from ..rpc import grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
@@ -179,6 +179,11 @@ class _State:
                                                         slice_ids=list(slice_ids)),
                                      timeout=self.timeout)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                # a slice this client still holds, unknown to the coordinator: it was
+                # lost with its worker (Trainer.fit restarts on this error)
+                raise WorkerLostError(f"the gang scheduler refused the graph: "
+                                      f"{e.details()}; its worker was lost") from None
             raise PathwaysError(f"the gang scheduler refused the graph: {e.details()}") \
                 from None
         return list(rep.positions), list(rep.slice_seqs)
