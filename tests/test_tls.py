@@ -237,7 +237,7 @@ def test_data_plane_refuses_connections_without_tls_or_the_token(tls_cluster, is
 def test_data_plane_token_without_tls(monkeypatch):
     """In-process data planes on loopback, plain TCP: the token exchange alone."""
     for k in ENVS:
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "")          # "" is unset; restored afterwards
     recv = dp.DataPlane("127.0.0.1", token=TOKEN)
     planes = [recv]
     try:
@@ -291,7 +291,7 @@ def test_tls_flags_reach_the_environment(certs, monkeypatch, tmp_path):
     from pathways_torch.coordinator import service
     from pathways_torch.worker import agent
     for k in ENVS:
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "")          # "" is unset; restored afterwards
     flags = ["--tls-cert", certs.cert, "--tls-key", certs.key, "--tls-ca", certs.ca]
     for add in (service.add_arguments, agent.add_arguments):
         ap = argparse.ArgumentParser()
