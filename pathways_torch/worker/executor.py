@@ -139,6 +139,10 @@ class ExecutorService(_make_servicer_base()):
         self.arbiter = connect(req.get("arbiter"), req.get("client_id", ""),
                                req.get("share", 0.0))
         self._resolve_lock = threading.RLock()
+        # Received buffers that queued sends still read: a release of one must leave its
+        # bytes to them (transfer id -> sends not yet past _resolve).
+        self._sending: dict = {}
+        self._sending_lock = threading.Lock()
         self._gang_next = 1             # the slice_seq of the next scheduled gang op
         self.gang_positions: list = []  # island positions of the gang ops run, in order
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -612,7 +616,10 @@ class ExecutorService(_make_servicer_base()):
         for b in ids:
             e = self.store.get(b)
             if e is not None and e.pending is not None:
-                self.dataplane.discard(e.pending.transfer_id)
+                with self._sending_lock:
+                    r = e.pending
+                    if r is not None and r.transfer_id not in self._sending:
+                        self.dataplane.discard(r.transfer_id)
         self.store.release(ids)
 
     def _send(self, op) -> None:
@@ -620,14 +627,25 @@ class ExecutorService(_make_servicer_base()):
         if entry is None:
             err = self._err("unknown_buffer", f"buffer {op.buffer_id} to send does not exist")
             entry = Entry(error=err)
-        self.dataplane.send_async(self._send_now, entry, op)
+        held = entry.pending.transfer_id if entry.pending is not None else None
+        if held is not None:        # a relay: the send resolves it, even once released
+            with self._sending_lock:
+                self._sending[held] = self._sending.get(held, 0) + 1
+        self.dataplane.send_async(self._send_now, entry, op, held)
 
-    def _send_now(self, entry, op) -> None:
+    def _send_now(self, entry, op, held=None) -> None:
         payload, error = None, None
         rec = self.rec
         t0 = rec.now() if rec.on else 0
         try:
-            self._resolve(entry)
+            try:
+                self._resolve(entry)
+            finally:
+                if held is not None:
+                    with self._sending_lock:
+                        n = self._sending.pop(held) - 1
+                        if n:
+                            self._sending[held] = n
             if entry.error is not None:
                 error = entry.error.SerializeToString()
             elif not self.store.begin_read(entry):
