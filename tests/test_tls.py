@@ -131,6 +131,7 @@ def test_a_program_with_a_cross_island_transfer_runs_over_tls(islands):
 
 def test_plain_text_grpc_is_refused_by_the_coordinator_and_executors(tls_cluster, islands):
     import grpc
+
     from pathways_torch.rpc import pathways_pb2 as pb
     from pathways_torch.rpc import pathways_pb2_grpc as pbg
     md = [(grpc_util.TOKEN_KEY, TOKEN)]

@@ -15,6 +15,7 @@ plane (``worker/dataplane.py``) wraps its sockets with the same files.
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import ipaddress
 import os
@@ -118,7 +119,7 @@ def set_tls(cert: Optional[str] = None, key: Optional[str] = None,
             os.environ.pop(name, None)
 
 
-def add_tls_arguments(ap) -> None:
+def add_tls_arguments(ap: argparse.ArgumentParser) -> None:
     """Add ``--tls-cert``, ``--tls-key``, ``--tls-ca`` to a command's argument parser."""
     ap.add_argument("--tls-cert", default=None,
                     help=f"this node's certificate chain, PEM (default: {TLS_CERT_ENV}); "
@@ -131,7 +132,7 @@ def add_tls_arguments(ap) -> None:
                     "(mutual TLS)")
 
 
-def apply_tls_arguments(args) -> None:
+def apply_tls_arguments(args: argparse.Namespace) -> None:
     """``set_tls`` from ``add_tls_arguments``' flags (absent flags leave the env as is)."""
     set_tls(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
             getattr(args, "tls_ca", None))
