@@ -10,7 +10,8 @@ from setuptools import find_packages, setup
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "requirements.txt")) as f:
     pins = [l.strip() for l in f if l.strip() and not l.startswith("#")]
-runtime_pins = [p for p in pins if not p.startswith(("pytest", "grpcio-tools", "wheel"))]
+_test = ("pytest", "grpcio-tools", "hypothesis")
+runtime_pins = [p for p in pins if not p.startswith(_test + ("wheel",))]
 
 setup(
     name="pathways_torch",
@@ -19,6 +20,6 @@ setup(
     packages=find_packages(include=["pathways_torch", "pathways_torch.*"]),
     python_requires=">=3.10",
     install_requires=runtime_pins,
-    extras_require={"test": [p for p in pins if p.startswith(("pytest", "grpcio-tools"))]},
+    extras_require={"test": [p for p in pins if p.startswith(_test)]},
     entry_points={"console_scripts": ["pathways-run = pathways_torch.launch:main"]},
 )

@@ -157,7 +157,8 @@ def check_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str],
     """A slice's mesh: 1..8 positive axes with as many distinct non-empty names;
     returns the number of devices."""
     if not 1 <= len(mesh_shape) <= MAX_MESH_RANK:
-        raise _bad(f"mesh shape {list(mesh_shape)[:16]} must have 1 to {MAX_MESH_RANK} axes")
+        raise _bad(f"mesh shape {list(mesh_shape)[:16]} must have 1 to {MAX_MESH_RANK} "
+                   "axes")
     for m in mesh_shape:
         check_int(m, f"mesh shape {list(mesh_shape)}: axis size", 1, max_devices)
     n = math.prod(mesh_shape)
@@ -297,40 +298,52 @@ def check_new_ids(ids: Iterable[int], live: Callable[[int], bool], what: str) ->
 
 
 def check_execute(op, prog, entries) -> None:
-    """``prog``: the compiled program (None: unknown id), with ``in_avals`` (dtype name,
-    shape) per input and ``out_nbytes`` per output; ``entries``: the object store's dict.
-    Checks counts, ids and the inputs' dtypes and shapes against the program."""
+    """``prog``: the compiled program (None: unknown id), with ``in_avals`` (torch dtype,
+    shape tuple) per input and ``out_nbytes`` per output; ``entries``: the object store's
+    dict. Checks counts, ids and the inputs' dtypes and shapes against the program.
+    On the path of every execution: a few microseconds, messages built only on failure."""
     if prog is None:
         raise _bad(f"unknown program id {op.program_id[:MAX_NAME]!r}: Compile it on this "
                    "slice first")
-    name = f"program '{prog.name}'"
-    want = prog.in_avals
-    if len(op.inputs) != len(want):
-        raise _bad(f"{name} takes {len(want)} inputs, the op gives {len(op.inputs)}")
-    n_out = len(prog.out_nbytes)
-    if len(op.outputs) != n_out:
-        raise _bad(f"{name} returns {n_out} outputs, the op names {len(op.outputs)}")
-    check_new_ids(op.outputs, entries.__contains__, name)
-    if not set(op.outputs).isdisjoint(op.inputs):
-        raise _bad(f"{name}: an output buffer id is also an input")
-    donate = list(op.donate)
-    if len(set(donate)) != len(donate) or any(k >= len(want) for k in donate):
-        raise _bad(f"{name}: donated positions {donate[:16]} repeat or exceed the "
-                   f"{len(want)} inputs")
-    for k, b in enumerate(op.inputs):
+    want, inputs, outputs = prog.in_avals, op.inputs, op.outputs
+    if len(inputs) != len(want) or len(outputs) != len(prog.out_nbytes):
+        raise _bad(f"program '{prog.name}' takes {len(want)} inputs and returns "
+                   f"{len(prog.out_nbytes)} outputs; the op gives {len(inputs)} inputs and "
+                   f"names {len(outputs)} outputs")
+    for b in outputs:
+        if b in entries or b in inputs:
+            raise _bad(f"program '{prog.name}': output buffer {b} already exists or is "
+                       "an input; each op must create new buffer ids")
+    if len(outputs) > 1 and len(set(outputs)) != len(outputs):
+        raise _bad(f"program '{prog.name}': output buffer ids {list(outputs)[:16]} repeat")
+    if op.donate:
+        donate = list(op.donate)
+        if len(set(donate)) != len(donate) or max(donate) >= len(want):
+            raise _bad(f"program '{prog.name}': donated positions {donate[:16]} repeat or "
+                       f"exceed the {len(want)} inputs")
+    for k, b in enumerate(inputs):
         e = entries.get(b)
         if e is None or e.error is not None:
             continue              # unknown or failed: the execution reports it
         t = e.tensor
         if t is not None:
-            got = (str(t.dtype)[6:], tuple(t.shape))
+            if t.dtype == want[k][0] and t.shape == want[k][1]:
+                continue
+            got = (t.dtype, tuple(t.shape))
         elif e.pending is not None:
-            got = (e.pending.meta.dtype, tuple(e.pending.meta.shape))
+            from .codec import dtype_from_name
+            m = e.pending.meta
+            got = (dtype_from_name(m.dtype), tuple(m.shape))
+            if got == want[k]:
+                continue
         else:
             continue
-        if got != want[k]:
-            raise _bad(f"{name}: input {k} (buffer {b}) is {got[0]}{list(got[1])}, the "
-                       f"program was compiled for {want[k][0]}{list(want[k][1])}")
+        raise _bad(f"program '{prog.name}': input {k} (buffer {b}) is {_aval(got)}, the "
+                   f"program was compiled for {_aval(want[k])}")
+
+
+def _aval(a) -> str:
+    return f"{str(a[0]).replace('torch.', '')}{list(a[1])}"
 
 
 def check_put(op, first, partial_bytes: int, axis_names: Sequence[str], budget: int,
@@ -396,7 +409,7 @@ def check_load(op, axis_names: Sequence[str], budget: int, live) -> None:
     if len(set(op.keys)) != n:
         raise _bad(f"{what}: keys repeat")
     total = 0
-    for k, m, s in zip(op.keys, op.metas, op.specs):
+    for k, m, s in zip(op.keys, op.metas, op.specs, strict=True):
         _, shape, nbytes = tensor_meta(m, f"{what}: key {k!r}", budget - total)
         total += nbytes
         check_spec(s, len(shape), axis_names, f"{what}: key {k!r}")
@@ -417,7 +430,7 @@ def check_compile(req, axis_names: Sequence[str], budget: int) -> list:
     elif len(req.out_specs):
         raise _bad("out_specs are given but has_out_specs is false")
     inputs, total = [], 0
-    for k, (m, s) in enumerate(zip(req.inputs, req.input_specs)):
+    for k, (m, s) in enumerate(zip(req.inputs, req.input_specs, strict=True)):
         dtype, shape, nbytes = tensor_meta(m, f"input {k}", budget - total)
         total += nbytes
         check_spec(s, len(shape), axis_names, f"input {k} spec")
@@ -432,7 +445,8 @@ def check_compile(req, axis_names: Sequence[str], budget: int) -> list:
         consts.append((dtype, shape))
     donate = list(req.donate)
     if len(set(donate)) != len(donate) or any(d >= len(inputs) for d in donate):
-        raise _bad(f"donated inputs {donate[:16]} repeat or exceed the {len(inputs)} inputs")
+        raise _bad(f"donated inputs {donate[:16]} repeat or exceed the {len(inputs)} "
+                   "inputs")
     params = []
     for k, p in enumerate(req.params):
         src = p.WhichOneof("source")
@@ -467,7 +481,8 @@ def _hlo_classes():
     one, rep = F.LABEL_OPTIONAL, F.LABEL_REPEATED
     schema = {
         "Shape": [(2, "element_type", I32, one), (3, "dimensions", I64, rep),
-                  (4, "tuple_shapes", "Shape", rep), (6, "is_dynamic_dimension", BOOL, rep)],
+                  (4, "tuple_shapes", "Shape", rep),
+                  (6, "is_dynamic_dimension", BOOL, rep)],
         "ProgramShape": [(1, "parameters", "Shape", rep), (2, "result", "Shape", one)],
         "Instruction": [(1, "name", STR, one), (2, "opcode", STR, one),
                         (3, "shape", "Shape", one), (9, "parameter_number", I64, one),
@@ -493,7 +508,8 @@ def _hlo_classes():
                 f.type = typ
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fd)
-    _HLO = message_factory.GetMessageClass(pool.FindMessageTypeByName("pathways_hlo.Module"))
+    module = pool.FindMessageTypeByName("pathways_hlo.Module")
+    _HLO = message_factory.GetMessageClass(module)
     return _HLO
 
 
@@ -543,7 +559,7 @@ def check_hlo(hlo: bytes, params: Sequence[tuple[str, tuple[int, ...]]]) -> None
     if len(shape.parameters) != len(params):
         raise _bad(f"HLO: the entry computation takes {len(shape.parameters)} parameters, "
                    f"the request gives {len(params)} params")
-    for k, (s, want) in enumerate(zip(shape.parameters, params)):
+    for k, (s, want) in enumerate(zip(shape.parameters, params, strict=True)):
         got = _array_shape(s, f"parameter {k}")
         if got != (want[0], tuple(want[1])):
             raise _bad(f"HLO: parameter {k} is {got[0]}{list(got[1])}, its source is "

@@ -66,7 +66,7 @@ class _Program:
 
     def __init__(self, name, xla_name, comp, params, constants, out_specs):
         self.donate = ()
-        self.in_avals = []            # (dtype name, shape) of each flat input
+        self.in_avals = []            # (torch dtype, shape) of each flat input
         self.out_bytes = 0
         self.out_nbytes = []
         self.out_device_bytes = 0     # bytes its outputs take on each device
@@ -139,6 +139,7 @@ class ExecutorService(_make_servicer_base()):
         self.arbiter = connect(req.get("arbiter"), req.get("client_id", ""),
                                req.get("share", 0.0))
         self._resolve_lock = threading.RLock()
+        self._resolving: dict = {}      # transfer id -> Event set once it is resolved
         # Received buffers that queued sends still read: a release of one must leave its
         # bytes to them (transfer id -> sends not yet past _resolve).
         self._sending: dict = {}
@@ -550,10 +551,23 @@ class ExecutorService(_make_servicer_base()):
                     detail="waits for the bytes, then host to device (resharded)")
 
     def _resolve_now(self, entry) -> bool:
+        # One thread resolves each transfer; others wait for that one alone. (A lock
+        # held over the wait deadlocked: a relay's send waited for it while the
+        # execution thread held it, waiting for bytes only that relay unblocks.)
         with self._resolve_lock:
             r = entry.pending
             if r is None:
                 return False
+            done = self._resolving.get(r.transfer_id)
+            if done is None:
+                done = self._resolving[r.transfer_id] = threading.Event()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            done.wait()
+            return False
+        try:
             arrival, lost = self._take(r)
             try:
                 if lost:
@@ -589,6 +603,10 @@ class ExecutorService(_make_servicer_base()):
                 if arrival is not None and hasattr(arrival.payload, "close"):
                     arrival.payload.close()
                 entry.pending = None
+        finally:
+            with self._resolve_lock:
+                del self._resolving[r.transfer_id]
+            done.set()
         return True
 
     def _take(self, r):
@@ -686,7 +704,8 @@ class ExecutorService(_make_servicer_base()):
                      if req.has_out_specs else None)
         prog = _Program(req.name, xla_name, comp, params, constants, out_specs)
         prog.donate = tuple(req.donate)
-        prog.in_avals = [(m.dtype, tuple(m.shape)) for m in req.inputs]
+        prog.in_avals = [(codec.dtype_from_name(m.dtype), tuple(m.shape))
+                         for m in req.inputs]
 
         def placeholders():
             out = []
