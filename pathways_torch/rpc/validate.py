@@ -9,7 +9,7 @@ CHECK failure aborts the whole process, so what cannot be checked is refused.
 
 Limits are generous for real use and exist so that absurd values (a 2**62-element
 shape, a NaN share, a million mesh axes) fail here with a message instead of deep
-inside XLA. ``docs/architecture.md`` (Decision 10) lists them with the message-size
+inside XLA. ``docs/architecture.md`` (Decision 13) lists them with the message-size
 limit.
 """
 
