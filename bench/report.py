@@ -104,8 +104,12 @@ def plt():
 
 def source(res, script) -> str:
     args = " ".join(res.get("args") or [])
+    at = res.get("measured_at")         # rerun alone (run_all.py --only), not in the run
+    when = (f"; rerun alone at commit {at.get('commit')}"
+            f"{' with uncommitted runtime changes' if at.get('dirty') else ''}, "
+            f"{at.get('date')}" if at else "")
     return (f"`bench/{script}{(' ' + args) if args else ''}`, "
-            f"{num(res.get('wall_s'), 0)} s")
+            f"{num(res.get('wall_s'), 0)} s{when}")
 
 
 # ---------------------------------------------------------------------------- sections
@@ -564,12 +568,95 @@ def ray_section(rep: Report) -> None:
                 "installs it).\n")
 
 
+def soak(rep: Report) -> None:
+    rep.add("## Soak: resources come back\n",
+            "Not a paper figure (issue 6, part 7): small programs with random releases and "
+            "cross-island transfers over two islands; afterwards every worker process must "
+            "be back where it started.\n")
+    res = rep.get("soak.py")
+    if res is None:
+        return
+    c = res.get("counts", {})
+    base, final = res.get("baseline", {}), res.get("final", {})
+    tol = res.get("rss_tolerance", 0.1)
+    rep.add(f"{num(res.get('programs'))} programs (elementwise ops and {res['shape'][0]}x"
+            f"{res['shape'][1]} @ {res['shape'][1]}x{res['shape'][1]} matmuls on 8 KiB "
+            f"float32, split over a (2,) slice on each of 2 islands), seed {res.get('seed')}: "
+            f"{num(c.get('transfers'))} moves to the other island, "
+            f"{num(c.get('implicit_transfers'))} program inputs taken from it, "
+            f"{num(c.get('puts'))} puts, {num(c.get('releases'))} releases (the whole pool "
+            f"{num(c.get('pool_drops'))} times), {num(c.get('checks'))} fetches against "
+            f"plain torch (largest difference {res.get('max_abs_err', 0):.1e}; rtol = atol = "
+            f"{res.get('atol')}). {num(res.get('run_s'))} s of programs "
+            f"({num(res.get('programs_per_s'), 0)} programs/s) after a warm-up of "
+            f"{num(res.get('warmup_programs'))} ({source(res, 'soak.py')}). Baseline: after "
+            "the warm-up, with the pool dropped; end: everything dropped, both slices "
+            "synchronised.\n")
+    rows = []
+    for name in base:
+        b, e = base[name], final.get(name, {})
+        for key, label in (("rss_kib", "RSS (MiB)"), ("threads", "threads"),
+                           ("fds", "open fds"), ("buffers", "buffers"),
+                           ("buffer_bytes", "buffer bytes")):
+            if key not in b:
+                continue
+            if key == "rss_kib":
+                ok = abs(e.get(key, 0) - b[key]) <= tol * b[key]
+                rows.append([name, label, num(b[key] / 1024, 1), num(e.get(key, 0) / 1024, 1),
+                             f"{(e.get(key, 0) - b[key]) / b[key] * 100:+.1f} %",
+                             f"within {tol:.0%}", "met" if ok else "**not met**"])
+            else:
+                ok = e.get(key) == b[key]
+                rows.append([name, label, num(b[key], 0), num(e.get(key), 0),
+                             f"{e.get(key, 0) - b[key]:+,}", "equal",
+                             "met" if ok else "**not met**"])
+    rep.add(table(["process", "resource", "baseline", "end", "change", "criterion",
+                   "verdict"], rows) + "\n")
+    if res.get("failures"):
+        rep.add("What did not come back: " + "; ".join(res["failures"]) + ".\n")
+    rep.headlines.append(((f"Soak, {num(res.get('programs'))} programs: buffers, threads, "
+                           "fds, RSS of every worker process back at the baseline"),
+                          "all" if res.get("ok") else f"{len(res.get('failures', []))} off",
+                          f"equal; RSS ± {tol:.0%}", "met" if res.get("ok") else
+                          "**not met**"))
+    curve = res.get("curve") or []
+    if not curve:
+        return
+    p = plt()
+    fig, axes = p.subplots(2, 2, figsize=(9, 5.5), sharex=True)
+    xs = [pt["programs"] for pt in curve]
+    styles = {"executor0": "-", "executor1": "--", "agent0": "-", "agent1": "--",
+              "coordinator": ":"}
+    colors = {"executor": "#1f77b4", "agent": "#ff7f0e", "coordinator": "#2ca02c"}
+    for ax, key, title in ((axes[0][0], "rss_kib", "RSS change from baseline (MiB)"),
+                           (axes[0][1], "buffers", "buffers held (per executor)"),
+                           (axes[1][0], "threads", "threads"),
+                           (axes[1][1], "fds", "open file descriptors")):
+        for name in base:
+            k = f"{name}.{key}"
+            if k not in curve[0]:
+                continue
+            ys = [pt.get(k) for pt in curve]
+            if key == "rss_kib":
+                ys = [(y - base[name][key]) / 1024 for y in ys]
+            color = colors[name.rstrip("0123456789")]
+            ax.plot(xs, ys, styles.get(name, "-"), color=color, label=name, lw=1.2)
+            ax.plot(xs[-1:], ys[-1:], "o", color=color, ms=4)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    for ax in axes[1]:
+        ax.set_xlabel("programs (dot: after dropping everything)")
+    fig.suptitle(f"Soak: {num(res.get('programs'))} programs over two islands", fontsize=11)
+    rep.plot("soak.png", fig)
+
+
 # ---------------------------------------------------------------------------- main
 
 def render(results: dict):
     """The report's markdown and the names of the plots written for it."""
     rep = Report(results)
-    for section in (fig5, fig6, fig7, fig9, training, dcn, ray_section, runtime):
+    for section in (fig5, fig6, fig7, fig9, training, dcn, ray_section, runtime, soak):
         section(rep)
     meta = results.get("_meta", {})
     wall = meta.get("total_wall_s")

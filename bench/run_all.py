@@ -42,6 +42,10 @@ BENCHES = [
     ("dcn.py", ["--runs", "5", "--mib", "64"], ["--runs", "2", "--mib", "16"]),
     ("train.py", ["--runs", "2", "--steps", "10", "--batches", "64,16"],
      ["--runs", "1", "--steps", "5", "--batches", "64,16"]),
+    # 20,000 small programs with random releases and cross-island transfers: the
+    # workers' memory, buffers, threads and fds against their baseline (~1 min).
+    ("soak.py", ["--programs", "20000", "--sample-every", "500"],
+     ["--programs", "2000", "--sample-every", "100"]),
 ]
 
 # Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.
@@ -128,6 +132,11 @@ def main() -> None:
         meta = results.setdefault("_meta", meta)
     for script, full, quick in todo:
         results[script] = run_one(script, quick if args.quick else full, args.timeout)
+        if only:        # measured apart from the run that _meta describes: say when
+            now = machine()
+            results[script]["measured_at"] = {
+                "commit": now["commit"], "dirty": now["dirty"],
+                "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
         print(script, json.dumps(results[script]), flush=True)
         if not only:
             meta["total_wall_s"] = round(time.perf_counter() - t_start, 1)
