@@ -786,7 +786,8 @@ def bad_compile(draw, env):
     elif flaw == "donate":
         m.donate[:] = draw(st.sampled_from([[2], [0, 0], [5]]))
     elif flaw == "id":
-        m.program_id = draw(st.one_of(st.just(""), long_name))
+        n = validate.MAX_PROGRAM_NAME
+        m.program_id = draw(st.one_of(st.just(""), st.text(min_size=n + 1, max_size=n + 4)))
     elif flaw == "oom":
         m.inputs[0].shape[:] = [1 << 20, 1 << 20, 1 << 8]
         codes = {C.RESOURCE_EXHAUSTED}

@@ -28,7 +28,8 @@ MAX_MESH_RANK = 8                # mesh axes of a slice
 MAX_NAME = 256                   # names: sessions, programs, axes, slice ids, kinds
 MAX_PATH = 4096                  # checkpoint paths
 MIN_SHARE, MAX_SHARE = 1e-6, 1e6
-MAX_TIMEOUT_S = 7 * 86400.0      # Fetch/Wait timeouts (0 means the default)
+MAX_TIMEOUT_S = 366 * 86400.0    # Fetch/Wait timeouts (0 means the default)
+MAX_PROGRAM_NAME = 1024          # program ids and names (user-given names end up in ids)
 MAX_WAIT_IDS = 1 << 20           # buffer ids of one Wait
 
 # torch dtype names on the wire (rpc/codec.py) -> bytes per element, XLA PrimitiveType
@@ -107,7 +108,7 @@ def check_float(value: float, what: str, lo: float, hi: float) -> float:
 
 def check_timeout(value: float, default: float = 600.0) -> float:
     """A Fetch/Wait timeout in seconds: 0 means ``default``; negative, NaN or more than a
-    week is refused."""
+    year is refused."""
     if value == 0:
         return default
     return check_float(value, "timeout_s", 0.0, MAX_TIMEOUT_S)
@@ -420,8 +421,8 @@ def check_load(op, axis_names: Sequence[str], budget: int, live) -> None:
 def check_compile(req, axis_names: Sequence[str], budget: int) -> list:
     """Everything about a CompileRequest that can be checked before torch_xla sees it;
     returns the flat inputs' (dtype name, shape)."""
-    check_name(req.program_id, "program id")
-    check_name(req.name, "program name", empty_ok=True)
+    check_name(req.program_id, "program id", limit=MAX_PROGRAM_NAME)
+    check_name(req.name, "program name", empty_ok=True, limit=MAX_PROGRAM_NAME)
     if len(req.input_specs) != len(req.inputs):
         raise _bad(f"{len(req.inputs)} inputs but {len(req.input_specs)} input specs")
     if req.has_out_specs:
