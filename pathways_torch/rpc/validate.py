@@ -39,6 +39,7 @@ DTYPES: dict[str, tuple[int, int]] = {
     "complex64": (8, 15), "bfloat16": (2, 16),
 }
 _XLA_TUPLE = 13
+_XLA_NOT_ARRAYS = (13, 14, 17)   # TUPLE, OPAQUE_TYPE, TOKEN
 
 _ID_RE = re.compile(r"[\w.:@+\-]+")          # slice and program ids, kinds
 _HOST_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9\-]{0,61}[A-Za-z0-9])?"
@@ -514,17 +515,21 @@ def _hlo_classes():
     return _HLO
 
 
-def _array_shape(s, what: str) -> tuple[str, tuple[int, ...]]:
+def _array_shape(s, what: str, wire: bool = True) -> tuple[str, tuple[int, ...]]:
+    """An array shape: of a dtype that travels (``wire``), or of any array type XLA has
+    (results may be of dtypes that stay on the devices)."""
     names = {xla: name for name, (_, xla) in DTYPES.items()}
-    if s.element_type not in names or len(s.tuple_shapes):
-        raise _bad(f"HLO: {what} is not an array of a dtype that travels "
-                   f"(XLA type {s.element_type})")
+    known = s.element_type in names if wire else \
+        0 < s.element_type < 64 and s.element_type not in _XLA_NOT_ARRAYS
+    if not known or len(s.tuple_shapes):
+        travels = " of a dtype that travels" if wire else ""
+        raise _bad(f"HLO: {what} is not an array{travels} (XLA type {s.element_type})")
     dims = tuple(s.dimensions)
     if len(dims) > MAX_RANK or any(not 0 <= d <= MAX_DIM for d in dims):
         raise _bad(f"HLO: {what} has shape {list(dims)[:20]}")
     if any(s.is_dynamic_dimension):
         raise _bad(f"HLO: {what} has dynamic dimensions")
-    return names[s.element_type], dims
+    return names.get(s.element_type, str(s.element_type)), dims
 
 
 def check_hlo(hlo: bytes, params: Sequence[tuple[str, tuple[int, ...]]]) -> None:
@@ -570,7 +575,7 @@ def check_hlo(hlo: bytes, params: Sequence[tuple[str, tuple[int, ...]]]) -> None
         raise _bad("HLO: the entry computation's program shape differs from the module's")
     res = shape.result
     for k, s in enumerate(res.tuple_shapes if res.element_type == _XLA_TUPLE else [res]):
-        _array_shape(s, f"result {k}")
+        _array_shape(s, f"result {k}", wire=False)
 
 
 def _check_hlo_name(name: str, what: str, names: set) -> None:
