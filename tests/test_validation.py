@@ -21,9 +21,9 @@ def refused(fn, *args, match=None, code="INVALID_ARGUMENT", kind="input"):
 
 def test_addresses():
     for ok in ["127.0.0.1:1", "localhost:65535", "[::1]:80", "::1:80",
-               "node-3.cluster:7000"]:
+               "node-3.cluster:7000", "worker_1:7000"]:
         V.check_address(ok)
-    for bad in ["", "127.0.0.1", "127.0.0.1:0", "h:65536", "h:x", ":80", "a b:80", "h_1:80",
+    for bad in ["", "127.0.0.1", "127.0.0.1:0", "h:65536", "h:x", ":80", "a b:80", "h/1:80",
                 "-h:80", "h:-1", "x" * 300 + ":1"]:
         refused(V.check_address, bad)
 

@@ -42,8 +42,9 @@ _XLA_TUPLE = 13
 _XLA_NOT_ARRAYS = (13, 14, 17)   # TUPLE, OPAQUE_TYPE, TOKEN
 
 _ID_RE = re.compile(r"[\w.:@+\-]+")          # slice and program ids, kinds
-_HOST_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9\-]{0,61}[A-Za-z0-9])?"
-                      r"(\.[A-Za-z0-9]([A-Za-z0-9\-]{0,61}[A-Za-z0-9])?)*")
+# host names: dot-separated labels of letters, digits, - and _ (container names use it)
+_HOST_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_\-]{0,61}[A-Za-z0-9_])?"
+                      r"(\.[A-Za-z0-9_]([A-Za-z0-9_\-]{0,61}[A-Za-z0-9_])?)*")
 _HLO_NAME_RE = re.compile(r"[\w.\-]+")
 
 
