@@ -188,6 +188,9 @@ def env():
     finally:
         if other is not None:
             other.cancel()
+        for name in ("coord_ch", "worker_ch", "a_ch", "b_ch"):
+            if hasattr(e, name):
+                getattr(e, name).close()
         pw.shutdown()
 
 
@@ -513,7 +516,8 @@ bad_axes = st.one_of(st.text(max_size=6).filter(lambda s: s != "data"),
 @st.composite
 def bad_meta(draw, oom_ok: bool = True):
     """(TensorMeta, kind) that a receiver must refuse."""
-    flaw = draw(st.sampled_from(["dtype", "neg", "rank", "dim"] + (["oom"] if oom_ok else [])))
+    flaws = ["dtype", "neg", "rank", "dim"] + (["oom"] if oom_ok else [])
+    flaw = draw(st.sampled_from(flaws))
     dtype, shape = "float32", [draw(st.integers(0, 4))]
     if flaw == "dtype":
         dtype = draw(bad_dtype)
@@ -633,10 +637,12 @@ def dispatch_ops(draw, env, kinds=tuple(UNITS)):
             r.src_data_address = draw(bad_address.filter(bool))
         return [pb.Op(recv=r)], ({} if r.buffer_id == LIVE else {out: want})
     if kind == "send":
-        return [pb.Op(send=pb.SendOp(buffer_id=LIVE, transfer_id=draw(u64),
-                                     dst_data_address=draw(bad_address)))], {}
+        send = pb.SendOp(buffer_id=LIVE, transfer_id=draw(u64),
+                         dst_data_address=draw(bad_address))
+        return [pb.Op(send=send)], {}
     if kind == "save":
-        s = pb.SaveOp(path="/nonexistent/fuzz", keys=["w"], buffer_ids=[LIVE], status_id=out)
+        s = pb.SaveOp(path="/nonexistent/fuzz", keys=["w"], buffer_ids=[LIVE],
+                      status_id=out)
         flaw = draw(st.sampled_from(["lengths", "path", "dup", "key", "live"]))
         if flaw == "lengths" and draw(st.booleans()):
             s.buffer_ids.append(LIVE)

@@ -47,7 +47,8 @@ def test_meshes():
     assert V.check_mesh([4, 2], ["data", "model"]) == 8
     for mesh, axes, what in [([], [], "1 to 8 axes"), ([1] * 9, list("abcdefghi"), "axes"),
                              ([0], ["a"], "axis size"), ([-3], ["a"], "axis size"),
-                             ([2, 2], ["a"], "axis names"), ([2, 2], ["a", "a"], "distinct"),
+                             ([2, 2], ["a"], "axis names"),
+                             ([2, 2], ["a", "a"], "distinct"),
                              ([2], [""], "empty"), ([4096, 2], ["a", "b"], "devices"),
                              ([2**62], ["a"], "axis size")]:
         refused(V.check_mesh, mesh, axes, match=what)
