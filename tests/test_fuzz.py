@@ -271,7 +271,8 @@ bad_address = st.one_of(
     st.just(""), st.text(alphabet="abc.-", max_size=10),
     st.builds("{}:{}".format, st.sampled_from(["127.0.0.1", "localhost", "h", "[::1]"]),
               st.one_of(st.integers(-9, 0), st.integers(65536, 10**7),
-                        st.text(alphabet="xyz +", min_size=0, max_size=4))),
+                        st.text(alphabet="xyz +", min_size=0, max_size=4),
+                        st.text(alphabet="\u00b2\u0668\u0660", min_size=1, max_size=3))),
     st.builds("{}:{}".format, st.text(alphabet=" !@#*/", min_size=1, max_size=6),
               st.integers(1, 65535)))
 bad_share = st.one_of(st.sampled_from([NAN, INF, -INF, 0.0, -0.0]),
@@ -477,7 +478,7 @@ def start_executor(draw, env):
 def test_worker_agent_refuses_malformed_messages(env):
     w = env.worker
 
-    @settings(FUZZ, max_examples=85)
+    @settings(FUZZ, max_examples=95)
     @given(st.data())
     def run(data):
         for _ in range(8):
@@ -714,7 +715,7 @@ def dispatch_ops(draw, env, kinds=tuple(UNITS)):
 def test_executor_refuses_malformed_ops(env):
     conn = env.a._conn
 
-    @settings(FUZZ, max_examples=60)
+    @settings(FUZZ, max_examples=70)
     @given(st.data())
     def run(data):
         want, seq = {}, 0
@@ -809,7 +810,7 @@ def test_executor_refuses_malformed_calls(env):
     a = env.a_stub
     compiled = []
 
-    @settings(FUZZ, max_examples=60)
+    @settings(FUZZ, max_examples=70)
     @given(st.data())
     def run(data):
         for _ in range(10):

@@ -128,7 +128,8 @@ def check_address(address: str, what: str = "address") -> tuple[str, int]:
     if not address or len(address) > 300 or ":" not in address:
         raise _bad(f"{what} {address[:64]!r} is not host:port")
     host, _, port_s = address.rpartition(":")
-    if not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+    if not (port_s.isascii() and port_s.isdigit() and len(port_s) <= 5) or \
+            not 1 <= int(port_s) <= 65535:
         raise _bad(f"{what} {address[:64]!r} has no port in 1..65535")
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
@@ -245,9 +246,14 @@ def tensor_meta(meta, what: str = "tensor", budget: int | None = None
     nbytes = math.prod(shape) * DTYPES[meta.dtype][0]
     if budget is not None and nbytes > budget:
         raise InvalidMessage(
-            f"{what}: {meta.dtype}{list(shape)} needs {nbytes / 2**30:.2f} GiB, more than "
-            f"the buffer budget of {budget / 2**30:.2f} GiB", "RESOURCE_EXHAUSTED", "oom")
+            f"{what}: {meta.dtype}{list(shape)} needs {_size(nbytes)}, more than the "
+            f"{_size(max(budget, 0))} of buffers the slice's devices can still hold",
+            "RESOURCE_EXHAUSTED", "oom")
     return meta.dtype, shape, nbytes
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check_spec(spec, rank: int | None, axis_names: Sequence[str], what: str = "spec"):
