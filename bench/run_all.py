@@ -46,6 +46,8 @@ BENCHES = [
     # workers' memory, buffers, threads and fds against their baseline (~1 min).
     ("soak.py", ["--programs", "20000", "--sample-every", "500"],
      ["--programs", "2000", "--sample-every", "100"]),
+    # Real SIGKILLs: worker, transfer sender, client; back-pressure resume (~1.5 min).
+    ("faults.py", [], []),
 ]
 
 # Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.
