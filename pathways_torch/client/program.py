@@ -211,7 +211,9 @@ class Program:
 
     def _compile(self, traced: Traced, slice_, inputs, in_specs, out_specs,
                  donate=()) -> _Compiled:
-        key = (traced.fingerprint, slice_.id, in_specs, out_specs, donate)
+        # slice_.uid, not slice_.id: a new cluster (pw.shutdown(); pw.init()) hands out
+        # the same slice ids again, to executors that never saw this program.
+        key = (traced.fingerprint, slice_.uid, in_specs, out_specs, donate)
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled

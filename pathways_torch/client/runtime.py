@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import threading
@@ -26,6 +27,9 @@ from .cluster import ADDRESS_ENV, LocalCluster
 from ..worker.memory import parse_bytes
 from .connection import ExecutorConnection
 
+
+
+_slice_uids = itertools.count(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Slice:
     def __init__(self, state: "_State", reply: pb.AllocateSliceReply,
                  mesh_shape: Sequence[int], axis_names: Sequence[str]) -> None:
         self.id = reply.slice_id
+        self.uid = next(_slice_uids)        # unique in this process, across clusters
         self.mesh_shape = tuple(int(s) for s in mesh_shape)
         self.axis_names = tuple(axis_names)
         self.island = reply.island
