@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import threading
+import time
 
 _PR_SET_PDEATHSIG = 1
 
@@ -23,13 +23,16 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
 
 def serve_until_signal(server) -> None:
     """Block until SIGTERM or SIGINT, then stop the gRPC server."""
-    stop = threading.Event()
+    # The handler must take no lock: Event.set() from a handler that interrupted the
+    # main thread inside Event.wait() (holding the event's lock) deadlocked forever, and
+    # a coordinator whose parent died never exited (seen with gdb).
+    stop: list = []
 
     def handler(signum, frame):
-        stop.set()
+        stop.append(signum)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    while not stop.wait(1.0):
-        pass
+    while not stop:
+        time.sleep(0.2)
     server.stop(grace=0.5).wait(5)
