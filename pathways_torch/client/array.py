@@ -123,7 +123,8 @@ class Array:
 
     def __del__(self) -> None:
         try:
-            self._conn.release(self._id)
+            if self._id is not None:        # None: its buffer was handed to another Array
+                self._conn.release(self._id)
         except AttributeError:
             pass
 

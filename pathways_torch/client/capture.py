@@ -1,33 +1,59 @@
-"""Capture: trace a torch function with torch_xla lazy tensors into a portable program.
+"""Capture: trace a torch function into a portable XLA program.
 
-The client runs the function once per input signature on placeholder tensors
-(``create_placeholder_tensor``: shape and dtype, no memory, so tracing a program over
-a 100 GB input costs nothing). Nothing executes: the lazy IR of the outputs is lowered
-to an HLO module (``_get_xla_tensors_hlo_proto``), which is what travels to the
-workers. Output shapes and dtypes are known from the lazy tensors, before anything runs.
-A dispatch-mode guard turns every read of a value (``.item()``, ``bool(t)``,
-``.cpu()``, data-dependent shapes) into ``DataDependentError`` before it reaches XLA,
-where reading a placeholder would crash the process.
+Two steps, so that capture never depends on what the process did before:
+
+1. **The graph.** ``make_fx`` runs the function once per input signature on fake CPU
+   tensors (shape and dtype, no memory: tracing a program over a 100 GB input costs
+   nothing) and records the ATen ops it reaches, *below* autograd: a function that
+   calls ``torch.autograd.grad`` yields its joint forward-backward graph, and the
+   autograd engine never sees an XLA tensor (it sizes its per-device queues once per
+   process, so a CPU ``backward()`` earlier would otherwise break every later trace).
+   A second pass functionalizes the graph: views become copies and in-place updates of
+   the function's inputs become extra outputs (``Traced.mutations``), which the
+   caller writes back to the input Arrays. While the user's code runs,
+   ``torch.compiler.is_compiling()`` is true, as under ``torch.compile``/``torch.export``,
+   so libraries take their trace-friendly paths (Hugging Face attention masks), and
+   ``scaled_dot_product_attention`` takes its math path (what XLA runs). Ops that
+   torch_xla does not lower are decomposed into ones it does.
+2. **The program.** The graph is replayed on torch_xla placeholder tensors (factory
+   ops' CPU devices remapped to the XLA device) and the lazy IR of its outputs is
+   lowered to an HLO module (``_get_xla_tensors_hlo_proto``), which is what travels to
+   the workers. Output shapes and dtypes are known before anything runs.
+
+Nothing reads a placeholder's value: a read (``.item()``, ``if t:``, a data-dependent
+shape) raises ``DataDependentError`` in the fake run, and an op that torch_xla would run
+on the CPU (``torch.histc``) is refused by name before the replay.
 
 The HLO's parameters follow the graph's device-data order, not the argument order:
-each parameter is mapped back to a program input (by tensor id) or to a constant the
-function created (a Python scalar, a tensor literal), whose value ships with the program.
+each parameter is mapped back to a program input (by tensor id), to a constant the
+function created (a Python scalar, a tensor literal), whose value ships with the
+program, or to the RNG seed (``Traced.rng``): torch_xla draws every random number of a
+graph from one seed leaf, which becomes a trailing int64 input so that each call draws
+fresh values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import logging
 import os
 import threading
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..errors import DataDependentError, PathwaysError, ShapeError, TraceError
 
 _lock = threading.RLock()
 _device = None
+#: The RNG seed set before each replay: the one int64 scalar leaf holding it is the
+#: graph's seed (torch_xla derives every further random op's seed from it in the IR).
+_SEED_SENTINEL = 0x1D2C3B4A59687766
+_REPORT = ("this is a bug in pathways_torch, not in your code: please report it with "
+           "the traceback")
 
 
 def xla_device():
@@ -47,28 +73,14 @@ class Traced:
     params: List[Tuple[str, int]]        # ("i", input index) or ("c", constant index)
     constants: List[torch.Tensor]        # CPU tensors
     out_avals: List[Tuple[Tuple[int, ...], torch.dtype]]
-    out_tree: Any                        # pytree spec of the outputs
+    out_tree: Any                        # pytree spec of the function's outputs
     out_static: List[Any]                # per flat output leaf: None for tensors, else the value
     fingerprint: str
-
-
-_VALUE_READS = None
-
-
-def _value_reads():
-    global _VALUE_READS
-    if _VALUE_READS is None:
-        aten = torch.ops.aten
-        _VALUE_READS = {
-            aten._local_scalar_dense.default: ".item(), bool(t), float(t) or `if t:`",
-            aten.is_nonzero.default: "bool(t) or `if t:`",
-            aten.equal.default: "torch.equal",
-            aten.nonzero.default: "nonzero (a shape that depends on data)",
-            aten.masked_select.default: "masked_select (a shape that depends on data)",
-            aten._unique2.default: "unique (a shape that depends on data)",
-            aten.unique_consecutive.default: "unique_consecutive",
-        }
-    return _VALUE_READS
+    #: (input index, output index): the input was updated in place; the output (after
+    #: the function's own tensor outputs) holds its new value.
+    mutations: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
+    #: The program draws random numbers: it takes one more input, an int64 seed.
+    rng: bool = False
 
 
 def _data_dependent(name: str, what: str) -> DataDependentError:
@@ -79,22 +91,205 @@ def _data_dependent(name: str, what: str) -> DataDependentError:
         "outside the program and read the result with Array.torch()")
 
 
-def _guard(name: str):
-    from torch.utils._python_dispatch import TorchDispatchMode
-    reads = _value_reads()
-    to_copy = torch.ops.aten._to_copy.default
+_VALUE_READS = {
+    "_local_scalar_dense": ".item(), bool(t), float(t) or `if t:`",
+    "is_nonzero": "bool(t) or `if t:`",
+    "equal": "torch.equal",
+    "nonzero": "nonzero (a shape that depends on data)",
+    "masked_select": "masked_select (a shape that depends on data)",
+    "_unique2": "unique (a shape that depends on data)",
+    "unique_consecutive": "unique_consecutive",
+}
 
-    class _Guard(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func in reads:
-                raise _data_dependent(name, reads[func])
-            if func is to_copy and kwargs.get("device") is not None and \
-                    torch.device(kwargs["device"]).type == "cpu":
-                raise _data_dependent(name, ".cpu(), .numpy(), print(t) or .tolist()")
-            return func(*args, **kwargs)
+_SHAPE_WORDS = ("shape", "size", "dimension", "dtype", "expected", "got torch.",
+                "must match", "broadcast", "mat1", "mat2", "same number",
+                "cannot be multiplied", "scalar type")
 
-    return _Guard()
+
+_DECOMPS = None
+
+
+def _has_xla_kernel(op) -> bool:
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    name = op.name()
+    return (has(name, "XLA") or has(name, "CompositeExplicitAutograd")
+            or has(name, "CompositeImplicitAutograd"))
+
+
+def _decompositions() -> Dict:
+    """Core ATen decompositions of the ops torch_xla has no kernel for (it would run
+    them on the CPU): the graph then holds only ops that XLA lowers."""
+    global _DECOMPS
+    if _DECOMPS is None:
+        from torch._decomp import core_aten_decompositions
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        _DECOMPS = {op: f for op, f in core_aten_decompositions().items()
+                    if isinstance(op, torch._ops.OpOverload)
+                    and not has(op.name(), "XLA")}
+    return _DECOMPS
+
+
+@contextlib.contextmanager
+def _compiling():
+    """What user code sees while it is traced: ``torch.compiler.is_compiling()`` (so
+    libraries avoid reading values) and the math path of SDPA (XLA's own choice)."""
+    import torch.compiler as tc
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    old = tc._is_compiling_flag
+    tc._is_compiling_flag = True
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        tc._is_compiling_flag = old
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """Fake tensors log every failing shape function; the error says it already."""
+    log = logging.getLogger(logger)
+    old = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(old)
+
+
+def _user_error(name: str, sig: str, e: BaseException) -> PathwaysError:
+    """The PathwaysError for an exception raised while the user's function ran."""
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException,
+                                               UnsupportedOperatorException)
+    if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
+        op = getattr(e, "func", None)
+        short = getattr(op, "_opname", "") or str(op)
+        return _data_dependent(name, _VALUE_READS.get(short, f"aten.{short}"))
+    if isinstance(e, UnsupportedOperatorException):
+        return TraceError(
+            f"program '{name}' uses {e.func}, which has no shape function in torch, so it "
+            "cannot be traced without running it; compute it outside the program")
+    text = str(e)
+    if "INTERNAL ASSERT" in text:
+        return TraceError(f"tracing program '{name}' with inputs ({sig}) hit an internal "
+                          f"error in torch: {type(e).__name__}: {text}\n{_REPORT}")
+    msg = f"tracing program '{name}' with inputs ({sig}) failed: {type(e).__name__}: {e}"
+    if isinstance(e, (RuntimeError, ValueError, IndexError, TypeError)) and (
+            _from_shape_check(e) or any(w in text.lower() for w in _SHAPE_WORDS)):
+        return ShapeError(msg + "\nCheck the shapes and dtypes of the arguments.")
+    return TraceError(msg)
+
+
+_SHAPE_CHECKS = ("_meta_registrations.py", "_prims_common", "/_refs/", "/_decomp/",
+                 "fake_impls.py")
+
+
+def _from_shape_check(e: BaseException) -> bool:
+    """Raised by an op's shape function (a meta kernel), which checks only shapes and
+    dtypes of what the user's code passed it."""
+    tb = e.__traceback__
+    while tb is not None:
+        if any(k in tb.tb_frame.f_code.co_filename for k in _SHAPE_CHECKS):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[Any, dict]:
+    """The functional ATen graph of ``fn`` on ``fakes``; info: output tree and statics."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    info: dict = {}
+
+    def flat_fn(*tensors):
+        args, kwargs = build_args(list(tensors))
+        leaves, tree = pytree.tree_flatten(fn(*args, **kwargs))
+        info["tree"] = tree
+        info["statics"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    table = _decompositions()
+    try:
+        with _compiling(), _quiet("torch._subclasses.fake_tensor"):
+            joint = make_fx(flat_fn, tracing_mode="fake", decomposition_table=table,
+                            _allow_non_fake_inputs=True)(*fakes)
+    except PathwaysError:
+        raise
+    except Exception as e:
+        raise _user_error(name, sig, e) from e
+    if not any(s is None for s in info["statics"]):
+        raise TraceError(f"program '{name}' returns no tensor; return at least one")
+    try:
+        gm = make_fx(torch.func.functionalize(joint, remove="mutations_and_views"),
+                     tracing_mode="fake", decomposition_table=table,
+                     _allow_non_fake_inputs=True)(*fakes)
+    except Exception as e:
+        raise TraceError(f"functionalizing program '{name}' failed: {type(e).__name__}: "
+                         f"{e}\n{_REPORT}") from e
+    info["mutations"] = _lift_input_mutations(gm)
+    return gm, info
+
+
+def _lift_input_mutations(gm) -> List[int]:
+    """Turn the functional graph's trailing ``copy_(input, new)`` into extra outputs;
+    returns the mutated inputs' indices in the order of those outputs."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    index = {n: k for k, n in enumerate(placeholders)}
+    mutated, values = [], []
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
+                and node.args[0] in index:
+            k = index[node.args[0]]
+            if k in mutated:                       # updated twice: the last one wins
+                values[mutated.index(k)] = node.args[1]
+            else:
+                mutated.append(k)
+                values.append(node.args[1])
+            node.replace_all_uses_with(node.args[1])
+            graph.erase_node(node)
+    if mutated:
+        out = next(n for n in graph.nodes if n.op == "output")
+        outs = list(out.args[0]) + values
+        out.args = (outs,)
+        graph.lint()
+        gm.recompile()
+    return mutated
+
+
+def _check_ops(gm, name: str) -> None:
+    """Refuse ops torch_xla would run on the CPU: on a placeholder that reads data
+    that does not exist, and the process dies."""
+    for node in gm.graph.nodes:
+        op = node.target
+        if node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and \
+                op is not torch.ops.aten.lift_fresh_copy.default and not _has_xla_kernel(op):
+            short = op.name().replace("aten::", "torch.")
+            raise _data_dependent(
+                name, f"{short} has no XLA lowering: torch_xla would run it on the CPU, "
+                      "reading the values")
+
+
+class _Replay(torch.fx.Interpreter):
+    """Runs the graph on XLA tensors: factory ops traced on the CPU are made on the XLA
+    device, tensor constants of the graph move there."""
+
+    def __init__(self, gm, device) -> None:
+        super().__init__(gm)
+        self.device = device
+
+    def run_node(self, n):
+        value = super().run_node(n)
+        if n.op == "get_attr" and isinstance(value, torch.Tensor):
+            value = value.to(self.device)
+        return value
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.aten.lift_fresh_copy.default:
+            return args[0].clone()
+        dev = kwargs.get("device") if kwargs else None
+        if dev is not None and torch.device(dev).type == "cpu":
+            kwargs = dict(kwargs, device=self.device)
+        return super().call_function(target, args, kwargs)
 
 
 def _executions() -> Tuple[int, int]:
@@ -104,95 +299,59 @@ def _executions() -> Tuple[int, int]:
             transfers[0] if transfers else 0)
 
 
-_SHAPE_WORDS = ("shape", "size", "dimension", "dtype", "expected", "got torch.", "must match", "expected", "broadcast",
-                "mat1", "mat2", "same number", "cannot be multiplied", "scalar type")
-
-
-def _check_with_meta(fn: Callable, name: str, in_avals, build_args, sig: str) -> None:
-    """Run ``fn`` on meta tensors: PyTorch's own shape and dtype checks, for free.
-
-    torch_xla's lazy tensors are more lenient than eager PyTorch in places (a float @
-    int matmul promotes instead of failing), so a program that plain PyTorch rejects
-    is rejected here too. Failures that are not about shapes or dtypes (ops without
-    meta kernels, reads of values) are left to the lazy trace.
-    """
-    try:
-        metas = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in in_avals]
-        args, kwargs = build_args(metas)
-        fn(*args, **kwargs)
-    except PathwaysError:
-        raise
-    except (RuntimeError, ValueError, IndexError, TypeError) as e:
-        text = str(e).lower()
-        if "meta" in text or not any(w in text for w in _SHAPE_WORDS):
-            return
-        raise ShapeError(f"program '{name}' does not accept inputs ({sig}): "
-                         f"{type(e).__name__}: {e}\nCheck the shapes and dtypes of the "
-                         "arguments.") from e
-    except Exception:
-        return
-
-
 def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], torch.dtype]],
           build_args: Callable[[List[torch.Tensor]], Tuple[tuple, dict]]) -> Traced:
-    """Trace ``fn`` on placeholders of ``in_avals``; ``build_args`` places them in the args."""
-    from torch.utils import _pytree as pytree
+    """Trace ``fn`` on inputs of ``in_avals``; ``build_args`` places them in the args."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     sig = ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for s, d in in_avals)
-    # The XLA device must exist before the first autograd use (the meta check may be
-    # one): the autograd engine sizes its per-device queues when it first starts.
-    xla_device()
-    _check_with_meta(fn, name, in_avals, build_args, sig)
+    dev = xla_device()
     with _lock:
-        dev = xla_device()
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in in_avals]
+        del mode
+        gm, info = _graph(fn, name, sig, fakes, build_args)
+        _check_ops(gm, name)
         import torch_xla
+        import torch_xla.core.xla_model as xm
         from torch_xla.core.xla_builder import create_placeholder_tensor
         X = torch_xla._XLAC
         placeholders = [create_placeholder_tensor(tuple(shape), dtype)
                         for shape, dtype in in_avals]
         ids = {X._xla_get_tensor_id(p): k for k, p in enumerate(placeholders)}
-        args, kwargs = build_args(placeholders)
+        xm.set_rng_state(_SEED_SENTINEL, device=dev)
         before = _executions()
         try:
-            with _guard(name):
-                out = fn(*args, **kwargs)
-        except PathwaysError:
-            raise
+            with torch.no_grad():
+                outs = _Replay(gm, dev).run(*placeholders)
         except Exception as e:
             if "access XLA data" in str(e):
-                raise _data_dependent(name, "printing or reading it") from e
-            msg = (f"tracing program '{name}' with inputs ({sig}) failed: "
-                   f"{type(e).__name__}: {e}")
-            if isinstance(e, (RuntimeError, ValueError, IndexError)) and any(
-                    w in str(e).lower() for w in _SHAPE_WORDS):
-                raise ShapeError(msg + "\nCheck the shapes and dtypes of the arguments.") from e
-            raise TraceError(msg) from e
+                raise _data_dependent(name, "an op that reads values") from e
+            raise TraceError(f"replaying program '{name}' on XLA failed: "
+                             f"{type(e).__name__}: {e}\n{_REPORT}") from e
         if _executions() != before:
             raise _data_dependent(name, "something made XLA execute")
-        leaves, out_tree = pytree.tree_flatten(out)
-        outs, statics = [], []
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                if leaf.device.type != "xla":
-                    leaf = leaf.to(dev)        # a tensor made inside the function
-                outs.append(leaf)
-                statics.append(None)
-            else:
-                statics.append(leaf)
-        if not outs:
-            raise TraceError(f"program '{name}' returns no tensor; return at least one")
+        outs = [o if o.device.type == "xla" else o.to(dev) for o in outs]
         data_ids, data = X._get_tensors_xla_device_data_node(outs)
-        params, constants = [], []
+        params, constants, rng = [], [], False
         for tid, t in zip(data_ids, data):
             if tid in ids:
                 params.append(("i", ids[tid]))
+            elif t.dtype == torch.int64 and t.dim() == 0 and \
+                    int(t.cpu()) == _SEED_SENTINEL:
+                params.append(("i", len(in_avals)))
+                rng = True
             else:
                 params.append(("c", len(constants)))
                 constants.append(t.cpu())
         hlo = X._get_xla_tensors_hlo_proto(outs)
         out_avals = [(tuple(o.shape), o.dtype) for o in outs]
+    n_user = len(out_avals) - len(info["mutations"])
+    mutations = [(k, n_user + j) for j, k in enumerate(info["mutations"])]
     h = hashlib.sha256(hlo)
-    h.update(repr(params).encode())
+    h.update(repr((params, mutations, rng)).encode())
     for c in constants:
         h.update(repr((c.dtype, tuple(c.shape))).encode())
-        h.update(c.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b"")
-    return Traced(name, hlo, params, constants, out_avals, out_tree, statics, h.hexdigest()[:24])
+        h.update(c.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                 if c.numel() else b"")
+    return Traced(name, hlo, params, constants, out_avals, info["tree"], info["statics"],
+                  h.hexdigest()[:24], mutations, rng)

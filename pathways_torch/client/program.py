@@ -58,12 +58,16 @@ class Program:
     """A compiled, sharded function. Create with the ``@pw.program`` decorator."""
 
     def __init__(self, fn: Callable, out_specs: Any = None, name: Optional[str] = None,
-                 donate_argnums: Tuple[int, ...] = ()):
+                 donate_argnums: Tuple[int, ...] = (),
+                 seeds: Optional[Callable[[], int]] = None):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "program")
         self.out_specs = out_specs
         self.donate_argnums = tuple(donate_argnums)
+        # Where a call that draws random numbers gets its seed (default: the session's
+        # stream, pw.init(seed=)); pw.Trainer passes its own, which its checkpoints hold.
+        self._seeds = seeds
         self._traces: dict = {}
         self._compiled: dict = {}
         self._lock = threading.Lock()
@@ -115,21 +119,30 @@ class Program:
             self._traces[key] = traced
             tracing.CLIENT.add("trace", self.name, t0, program=self.name)
 
+        mutated = dict(traced.mutations)           # input index -> output index
         inputs, donate = [], []
-        for i in dyn_pos:
+        for k, i in enumerate(dyn_pos):
             leaf = leaves[i]
             if isinstance(leaf, Array) and leaf._donated:
                 raise PlacementError(
                     f"program '{self.name}': an input {leaf!r} was donated to program "
                     f"'{leaf._donated}' and no longer exists; pass that program's output")
-            if i in donated_leaves and isinstance(leaf, Array):
+            if (i in donated_leaves or k in mutated) and isinstance(leaf, Array):
                 donate.append(len(inputs))
             if isinstance(leaf, torch.Tensor):
+                if k in mutated:
+                    raise TraceError(
+                        f"program '{self.name}' updates its input {k} in place, a CPU "
+                        "tensor that the call copies to the slice; pw.put it first and "
+                        "pass the pw.Array, which then holds the update")
                 leaf = put(leaf, slice_, P())        # implicit put, replicated
             elif leaf.slice is not slice_:
                 leaf = leaf.to(slice_, self._spec_on(leaf, slice_))
             runtime.check_alive(leaf.slice)
             inputs.append(leaf)
+        if traced.rng:
+            seed = self._seeds() if self._seeds is not None else runtime.next_seed()
+            inputs.append(put(torch.tensor(seed, dtype=torch.int64), slice_, P()))
         if state.dispatch == "sequential":
             wait(inputs)            # the baseline: wait for predecessors, then dispatch
         g = graph_mod.current()
@@ -147,15 +160,39 @@ class Program:
         seq = conn.send(pb.Op(execute=pb.ExecuteOp(
             program_id=compiled.program_id, inputs=[a._id for a in inputs],
             outputs=out_ids, donate=donate)))
+        written = {o: k for k, o in traced.mutations}      # output index -> input index
         for k in donate:
-            inputs[k]._donated = self.name
+            if k not in mutated:
+                inputs[k]._donated = self.name
         origin = f"program '{self.name}'"
-        arrays = iter([
-            Array(slice_, bid, seq, shape, dtype, spec, origin, hlo)
-            for bid, (shape, dtype), spec, hlo in zip(
-                out_ids, traced.out_avals, compiled.out_specs, compiled.out_hlo)])
+        arrays = []
+        for o, (bid, (shape, dtype), spec, hlo) in enumerate(zip(
+                out_ids, traced.out_avals, compiled.out_specs, compiled.out_hlo)):
+            new = Array(slice_, bid, seq, shape, dtype, spec, origin, hlo)
+            if o in written:
+                self._write_back(leaves[dyn_pos[written[o]]], new, inputs[written[o]])
+            else:
+                arrays.append(new)
+        arrays = iter(arrays)
         flat = [next(arrays) if s is None else s for s in traced.out_static]
         return pytree.tree_unflatten(flat, traced.out_tree)
+
+    @staticmethod
+    def _write_back(target: Array, new: Array, sent: Array) -> None:
+        """torch's in-place semantics: the input Array now holds the updated value.
+
+        On the program's slice the input was donated (its memory holds the update, XLA
+        aliases it); an input moved from another slice gets the update moved back."""
+        if new.slice is not target.slice:
+            new = new.to(target.slice, target.sharding)
+        old = target._id
+        donated = sent is target
+        # take over new's buffer: new must not release it when it is dropped
+        target._id, target._seq, target._origin = new._id, new._seq, new._origin
+        target.sharding, target.hlo_sharding = new.sharding, new.hlo_sharding
+        new._id = None
+        if not donated:
+            target._conn.release(old)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

@@ -17,6 +17,7 @@ import threading
 from typing import List, Optional, Sequence, Union
 
 import grpc
+import torch
 
 from ..errors import (ClusterShutdownError, NotInitializedError, PathwaysError,
                       ResourceExhaustedError, ShardingError, WorkerLostError)
@@ -26,6 +27,7 @@ from ..rpc import pathways_pb2_grpc as pbg
 from .cluster import ADDRESS_ENV, LocalCluster
 from ..worker.memory import parse_bytes
 from .connection import ExecutorConnection
+from .rng import SeedStream
 
 
 
@@ -127,6 +129,7 @@ class _State:
         self._session = None
         self._session_thread = None
         self.profile = None             # the open pw.profile(), if any
+        self.seeds = None               # the session's SeedStream (pw.init(seed=))
 
     @property
     def initialized(self) -> bool:
@@ -255,7 +258,8 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
          name: str = "", dispatch: str = "parallel", share: float = 1.0,
          token: Optional[str] = None, devices_shared_by: int = 1,
          memory_budget: Optional[Union[int, str]] = None, tls_cert: Optional[str] = None,
-         tls_key: Optional[str] = None, tls_ca: Optional[str] = None) -> None:
+         tls_key: Optional[str] = None, tls_ca: Optional[str] = None,
+         seed: Optional[int] = None) -> None:
     """Connect this process to a Pathways cluster, starting a local one if needed.
 
     With no ``address`` (and no ``PATHWAYS_ADDRESS`` in the environment, which
@@ -284,6 +288,11 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
     ``timeout`` is the default deadline of every blocking call (``Array.torch``,
     ``pw.wait``, ...); each also takes its own ``timeout=``.
 
+    ``seed`` (default ``torch.initial_seed()``, so ``torch.manual_seed`` before
+    ``pw.init`` sets it) starts the stream of RNG seeds of programs that draw random
+    numbers: each call draws new values, and the same seed gives the same values run
+    after run.
+
     Example::
 
         pw.init(devices_per_host=8)
@@ -302,6 +311,15 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
                           name or f"pid{os.getpid()}", share, devices_shared_by,
                           parse_bytes(memory_budget) if memory_budget else None)
         _state.dispatch = dispatch
+        _state.seeds = SeedStream(torch.initial_seed() if seed is None else seed)
+
+
+def next_seed() -> int:
+    """The next RNG seed of the session (for a program call that draws random numbers)."""
+    state = get_state()
+    if state.seeds is None:
+        state.seeds = SeedStream(torch.initial_seed())
+    return state.seeds()
 
 
 def _check_dispatch(mode: str) -> None:
