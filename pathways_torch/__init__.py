@@ -45,7 +45,7 @@ _LAZY = {
     "dispatch_mode": "client.runtime", "init": "client.runtime",
     "is_initialized": "client.runtime", "shutdown": "client.runtime",
     "slice": "client.runtime",
-    "Trainer": "trainer",
+    "Trainer": "training.trainer",
     "DataParallel": "parallel.strategies", "FullyShardedDataParallel": "parallel.strategies",
     "TensorParallel": "parallel.strategies", "Pipeline": "parallel.strategies",
     "MultiIsland": "parallel.strategies",

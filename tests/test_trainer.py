@@ -256,7 +256,7 @@ def test_pipeline_checkpoint_is_written_by_each_stage_slice(cluster8, tmp_path):
 def test_pipeline_backward_reuses_the_forward_activations(cluster8, monkeypatch):
     """Stage backwards take the activations autograd saved in the forward program instead
     of recomputing the forward (the stash is used in the XLA trace), same losses."""
-    from pathways_torch import trainer as T
+    from pathways_torch.training import pipeline as T
     used = []
     orig = T._Stash.unpack
 

@@ -13,7 +13,7 @@ from typing import Dict, List
 
 import torch
 
-from .errors import PathwaysError
+from ..errors import PathwaysError
 
 
 class UnsupportedOptimizer(PathwaysError, TypeError):

@@ -1,0 +1,42 @@
+"""Batches: split into equal parts (microbatches, islands) and placed on a slice."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..client.array import Array, put
+from ..errors import ShardingError
+from ..sharding import P, validate_spec
+
+
+def _place_batch(value, slice_, axis: Optional[str]):
+    """Every tensor of a batch pytree on ``slice_``, split along dimension 0 over the mesh
+    axis ``axis`` (None: replicated); Arrays are taken as they are."""
+    def place(t):
+        if isinstance(t, Array):
+            return t
+        t = torch.as_tensor(t)
+        spec = P(axis) if (axis and t.dim()) else P()
+        try:
+            validate_spec(spec, t.shape, slice_.axis_names, slice_.mesh_shape, "batch")
+        except ShardingError as e:
+            raise ShardingError(f"{e}; use a batch size that the data axis divides") \
+                from None
+        return put(t, slice_, spec)
+    return pytree.tree_map(place, value)
+
+
+def _split(value, n: int, what: str) -> list:
+    """Split every tensor of a batch pytree into ``n`` equal parts along dimension 0."""
+    leaves, spec = pytree.tree_flatten(value)
+    parts = []
+    for t in leaves:
+        t = torch.as_tensor(t)
+        if t.shape[0] % n:
+            raise ShardingError(f"a batch of {t.shape[0]} cannot be split into {n} equal "
+                                f"{what}; use a batch size divisible by {n}")
+        parts.append(t.chunk(n))
+    return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
