@@ -38,7 +38,8 @@ class Restart:
 def fit(trainer: "Trainer", data: Any, *, steps: Optional[int], checkpoint_dir: Optional[str],
         checkpoint_every: int, max_restarts: int,
         on_step: Optional[Callable[[int, float], Any]], wait_timeout: float,
-        keep_checkpoints: Optional[int]) -> List[float]:
+        keep_checkpoints: Optional[int], progress: bool = True,
+        resume: bool = False) -> List[float]:
     """``Trainer.fit`` (see its docstring): the losses of every step, as floats."""
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be >= 1, not {checkpoint_every}")

@@ -259,7 +259,8 @@ class Trainer:
     def fit(self, data: Any, *, steps: Optional[int] = None,
             checkpoint_dir: Optional[str] = None, checkpoint_every: int = 100,
             max_restarts: int = 0, on_step: Optional[Callable[[int, float], Any]] = None,
-            wait_timeout: float = 300.0, keep_checkpoints: Optional[int] = 2) -> List[float]:
+            wait_timeout: float = 300.0, keep_checkpoints: Optional[int] = 2,
+            progress: bool = True, resume: bool = False) -> List[float]:
         """Train on ``data`` for ``steps`` steps, checkpointing, and resume elastically
         when a worker is lost; returns the loss of every step, as floats.
 
@@ -307,4 +308,5 @@ class Trainer:
         return elastic.fit(self, data, steps=steps, checkpoint_dir=checkpoint_dir,
                            checkpoint_every=checkpoint_every, max_restarts=max_restarts,
                            on_step=on_step, wait_timeout=wait_timeout,
-                           keep_checkpoints=keep_checkpoints)
+                           keep_checkpoints=keep_checkpoints, progress=progress,
+                           resume=resume)
