@@ -216,8 +216,6 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
         raise
     except Exception as e:
         raise _user_error(name, sig, e) from e
-    if not any(s is None for s in info["statics"]):
-        raise TraceError(f"program '{name}' returns no tensor; return at least one")
     try:
         gm = make_fx(torch.func.functionalize(joint, remove="mutations_and_views"),
                      tracing_mode="fake", decomposition_table=table,
@@ -226,6 +224,9 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
         raise TraceError(f"functionalizing program '{name}' failed: {type(e).__name__}: "
                          f"{e}\n{_REPORT}") from e
     info["mutations"] = _lift_input_mutations(gm)
+    if not info["mutations"] and not any(s is None for s in info["statics"]):
+        raise TraceError(f"program '{name}' returns no tensor and updates none of its "
+                         "inputs in place; return at least one tensor")
     return gm, info
 
 

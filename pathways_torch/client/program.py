@@ -170,7 +170,7 @@ class Program:
                 out_ids, traced.out_avals, compiled.out_specs, compiled.out_hlo)):
             new = Array(slice_, bid, seq, shape, dtype, spec, origin, hlo)
             if o in written:
-                self._write_back(leaves[dyn_pos[written[o]]], new, inputs[written[o]])
+                self._write_back(leaves[dyn_pos[written[o]]], new)
             else:
                 arrays.append(new)
         arrays = iter(arrays)
@@ -178,7 +178,7 @@ class Program:
         return pytree.tree_unflatten(flat, traced.out_tree)
 
     @staticmethod
-    def _write_back(target: Array, new: Array, sent: Array) -> None:
+    def _write_back(target: Array, new: Array) -> None:
         """torch's in-place semantics: the input Array now holds the updated value.
 
         On the program's slice the input was donated (its memory holds the update, XLA
@@ -186,13 +186,17 @@ class Program:
         if new.slice is not target.slice:
             new = new.to(target.slice, target.sharding)
         old = target._id
-        donated = sent is target
         # take over new's buffer: new must not release it when it is dropped
         target._id, target._seq, target._origin = new._id, new._seq, new._origin
         target.sharding, target.hlo_sharding = new.sharding, new.hlo_sharding
         new._id = None
-        if not donated:
-            target._conn.release(old)
+        # The old id (memory that XLA reused, or the value before the update) is
+        # released as a dropped Array would be: inside pw.graph() only after submission.
+        husk = Array.__new__(Array)
+        husk._conn, husk._id = target._conn, old
+        g = graph_mod.current()
+        if g is not None:
+            g.keep(husk)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

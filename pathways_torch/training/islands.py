@@ -8,21 +8,21 @@ from torch.utils import _pytree as pytree
 from ..client.array import Array
 from ..client.graph import graph
 from .batches import _place_batch, _split
-from .programs import _make_apply_fn, _make_grad_fn
+from .programs import make_apply_fn, make_grad_fn
 
 
-def multi_island_step(trainer, inputs, targets, sc, hyper) -> Array:
+def multi_island_step(trainer, inputs, targets, lrs, hyper) -> Array:
     """One step of ``trainer`` (a MultiIsland Trainer), recorded as one dataflow graph:
     each island's gradients, every island's update with all of them, the mean loss."""
     n = len(trainer.slices)
     axis = trainer.parallelism.axis
     xs, ys = _split(inputs, n, "islands"), _split(targets, n, "islands")
     # Gradients travel as one flat buffer per island: one transfer, not one per tensor.
-    grad_prog = trainer._program("grads", _make_grad_fn(trainer.model, trainer.loss_fn,
-                                                        flat=True))
+    grad_prog = trainer._program("grads", make_grad_fn(trainer.model, trainer.loss_fn,
+                                                       trainer.options, flat=True))
     shapes = {n: tuple(a.shape) for n, a in trainer.replicas[0].items()}
-    apply_prog = trainer._program("apply_flat", _make_apply_fn(trainer._group_of, shapes),
-                                  donate=(0, 1))
+    apply_prog = trainer._program("apply_flat", make_apply_fn(
+        trainer.opt, trainer._groups, trainer.options, shapes), donate=(0, 1))
     mean_prog = trainer._program("mean", lambda ls: torch.stack(ls).mean())
     with graph():
         grads, losses = [], []
@@ -34,8 +34,9 @@ def multi_island_step(trainer, inputs, targets, sc, hyper) -> Array:
         for r, s in enumerate(trainer.slices):
             # every replica sums the same gradients in the same order: identical updates
             gathered = [g if i == r else _tree_to(g, s) for i, g in enumerate(grads)]
-            trainer.replicas[r], trainer.states[r] = apply_prog(
-                trainer.replicas[r], trainer.states[r], sc, gathered, hyper)
+            # parameters and state are updated in place (written back to their Arrays)
+            trainer._store_created(r, apply_prog(trainer.replicas[r], trainer.states[r],
+                                                 lrs, gathered, hyper))
         loss = mean_prog([l if i == 0 else l.to(trainer.slices[0])
                           for i, l in enumerate(losses)])
     return loss

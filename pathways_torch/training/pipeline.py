@@ -17,10 +17,10 @@ from ..client.graph import graph
 from ..errors import PathwaysError
 from ..parallel.strategies import Pipeline
 from .batches import _place_batch, _split
-from .programs import _make_apply_fn
+from .programs import (clip_coef, grad_square_sum, loss_of, make_apply_fn, mode)
 
 
-def pipeline_step(trainer, inputs, targets, sc, hyper) -> Array:
+def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
     """One GPipe step of ``trainer`` (a Pipeline Trainer); returns the mean loss."""
     m = trainer.parallelism.microbatches
     xs, ys = _split(inputs, m, "microbatches"), _split(targets, m, "microbatches")
@@ -36,7 +36,8 @@ def pipeline_step(trainer, inputs, targets, sc, hyper) -> Array:
            for k, (mod, _) in enumerate(stages[:-1])]
     last_bwd = trainer._program("last_bwd", _make_last_bwd(stages[-1][0], trainer.loss_fn, m,
                                                            last == 0))
-    apply_prog = trainer._program("apply", _make_apply_fn(trainer._group_of), donate=(0, 1))
+    apply_prog = trainer._program("apply", make_apply_fn(trainer.opt, trainer._groups,
+                                                         trainer.options), donate=(0, 1))
     mean_prog = trainer._program("mean", lambda ls: torch.stack(ls).sum() / len(ls))
     with graph():
         # GPipe: all forwards, microbatch by microbatch through the stages ...
@@ -62,13 +63,23 @@ def pipeline_step(trainer, inputs, targets, sc, hyper) -> Array:
                 gx, acc[k] = bwd[k](params[k], fixed[k], acts[j][k], saved[j][k], gy,
                                     acc[k] if acc[k] is not None else {})
                 saved[j][k] = None
-        new_params, new_states = {}, {}
+        coefs = [None] * len(stages)
+        max_norm = trainer.options.max_grad_norm
+        if max_norm is not None:
+            # clip_grad_norm_ over the whole model: every stage's share of the norm
+            # meets on the first stage's slice, the factor goes back to each stage
+            sq = trainer._program("grad_sq", grad_square_sum)
+            coef_prog = trainer._program("clip_coef", clip_coef)
+            parts = [sq(acc[k]) for k in range(len(stages))]
+            coef = coef_prog([p if k == 0 else p.to(slices[0])
+                              for k, p in enumerate(parts)], float(max_norm))
+            coefs = [coef if k == 0 else coef.to(slices[k]) for k in range(len(stages))]
         for k in range(len(stages)):
             st = {n: trainer.states[0][n] for n in params[k]}
-            p, s = apply_prog(params[k], st, sc, [acc[k]], hyper)
-            new_params.update(p)
-            new_states.update(s)
-        trainer.replicas[0], trainer.states[0] = new_params, new_states
+            # parameters and state are updated in place (written back to their Arrays)
+            args = (params[k], st, lrs, [acc[k]], hyper)
+            created = apply_prog(*args) if coefs[k] is None else apply_prog(*args, coefs[k])
+            trainer._store_created(0, created)
         loss = mean_prog(losses)
     return loss
 
@@ -154,7 +165,7 @@ def _make_stage_fwd(mod, first: bool):
         if not first:
             x = x.requires_grad_()
         stash = _Stash(x, params)
-        with stash.hooks():
+        with stash.hooks(), mode(mod, True):
             y = _stage_call(mod, params, fixed, x)
         return y.detach(), [t.detach() for t in stash.recorded]
     return stage_fwd
@@ -172,7 +183,9 @@ def _make_stage_bwd(mod, first: bool):
         leaves = [params[n].requires_grad_() for n in names]
         if not first:
             x = x.requires_grad_()
-        with _Stash(x, params, saved).hooks():
+        # the forward program updated the buffers already (BatchNorm): not twice
+        fixed = {n: t.clone() for n, t in fixed.items()}
+        with _Stash(x, params, saved).hooks(), mode(mod, True):
             y = _stage_call(mod, params, fixed, x)
         wrt = leaves if first else [x] + leaves
         grads = torch.autograd.grad(y, wrt, grad_outputs=gy)
@@ -188,9 +201,39 @@ def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool):
         leaves = [params[n].requires_grad_() for n in names]
         if not first:
             x = x.requires_grad_()
-        loss = loss_fn(_stage_call(mod, params, fixed, x), targets)
+        with mode(mod, True):
+            loss = loss_of(_stage_call(mod, params, fixed, x), targets, loss_fn)
         wrt = leaves if first else [x] + leaves
         grads = torch.autograd.grad(loss / microbatches, wrt)
         gx = torch.zeros((), dtype=loss.dtype) if first else grads[0]
         return gx, _accumulate(acc, names, grads if first else grads[1:]), loss.detach()
     return last_bwd
+
+
+def pipeline_eval(trainer, inputs, targets, outputs: bool = False):
+    """The whole batch through the stages in eval mode: the loss, or (``outputs``) the
+    last stage's outputs."""
+    stages, slices = trainer._stages, trainer.slices
+    h = _place_batch(inputs, slices[0], None)
+    with graph():
+        for k, (mod, names) in enumerate(stages):
+            params = {n: a for n, a in trainer.replicas[0].items()
+                      if n.split(".", 1)[0] in names}
+            fixed = {n: a for n, a in trainer.fixed[0].items() if n.split(".", 1)[0] in names}
+            h = h if k == 0 else h.to(slices[k])
+            final = k == len(stages) - 1
+            if final and not outputs:
+                prog = trainer._program("eval_last", _make_stage_eval(mod, trainer.loss_fn,
+                                                                      True))
+                return prog(params, fixed, h, _place_batch(targets, slices[k], None))
+            prog = trainer._program(f"stage{k}_eval", _make_stage_eval(mod, None, False))
+            h = prog(params, fixed, h, None)
+    return h
+
+
+def _make_stage_eval(mod, loss_fn, with_loss: bool):
+    def stage_eval(params, fixed, x, targets):
+        with mode(mod, False), torch.no_grad():
+            y = _stage_call(mod, params, fixed, x)
+            return loss_of(y, targets, loss_fn) if with_loss else y
+    return stage_eval

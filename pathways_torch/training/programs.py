@@ -1,43 +1,199 @@
-"""The programs a Trainer's step runs, built from the model: forward + backward +
-optimizer update in one (SPMD strategies), gradients alone, and the update alone
-(``MultiIsland``, ``Pipeline``: gradients are exchanged or accumulated first)."""
+"""The programs a Trainer runs, built from the model: a training step (forward,
+backward, gradient clipping, the optimizer update), gradients alone and the update
+alone (``MultiIsland``, ``Pipeline``: gradients are exchanged or accumulated first),
+evaluation and prediction.
+
+Each is an ordinary function of tensors that ``pw.program`` traces (see
+client/capture.py: the joint forward-backward graph comes from ``make_fx``). They
+follow torch's semantics on purpose:
+
+- the model is called as the user would: ``model(x)``, ``model(*x)``, ``model(**x)``;
+- buffers that forward updates in place (BatchNorm's running statistics) are the
+  program's input mutations, written back to the Trainer's Arrays;
+- the update is torch.optim's own code (optim.py), after torch's
+  ``clip_grad_norm_``;
+- ``precision="bf16"`` is ``torch.autocast("cpu", torch.bfloat16)`` around forward
+  and loss (the trace runs on CPU fake tensors, so the CPU autocast policy applies);
+- training programs trace the model in train mode, evaluation and prediction in eval
+  mode, whatever mode the module is in.
+
+Example::
+
+    fn = make_step_fn(model, loss_fn, spec, names, options)
+    loss, created = pw.program(fn)(params, fixed, states, lrs, inputs, targets, hyper)
+"""
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..errors import PathwaysError, TraceError
 from . import optim as fopt
 
 
-def _make_step_fn(model, loss_fn, group_of):
-    """One SPMD step: forward, backward and the optimizer update."""
-    def train_step(params, fixed, state, sc, inputs, targets, hyper):
-        names = list(params)
-        leaves = [params[n].requires_grad_() for n in names]
-        loss = loss_fn(torch.func.functional_call(model, {**params, **fixed}, (inputs,)),
-                       targets)
-        grads = dict(zip(names, torch.autograd.grad(loss, leaves)))
-        new_params, new_state = _apply(group_of, params, state, sc, [grads], hyper)
-        return new_params, new_state, loss.detach()
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Trainer's knobs that change what a step computes."""
+
+    max_grad_norm: Optional[float] = None
+    accumulate: int = 1
+    precision: Optional[str] = None          # None/"fp32" or "bf16"
+
+    def __post_init__(self):
+        if self.precision not in (None, "fp32", "bf16"):
+            raise PathwaysError(f"precision must be None, 'fp32' or 'bf16', not "
+                                f"{self.precision!r}")
+        if int(self.accumulate) != self.accumulate or self.accumulate < 1:
+            raise PathwaysError(f"accumulate must be an integer >= 1, not {self.accumulate}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise PathwaysError(f"max_grad_norm must be positive, not {self.max_grad_norm}")
+
+
+# ---------------------------------------------------------------------- the model call
+
+def call_model(model: torch.nn.Module, tensors: Dict[str, torch.Tensor], inputs: Any):
+    """``model(inputs)`` with its parameters and buffers replaced by ``tensors``:
+    a dict is passed as keyword arguments, a tuple or list as positional ones."""
+    if isinstance(inputs, Mapping):
+        return torch.func.functional_call(model, tensors, (), dict(inputs))
+    if isinstance(inputs, (tuple, list)):
+        return torch.func.functional_call(model, tensors, tuple(inputs))
+    return torch.func.functional_call(model, tensors, (inputs,))
+
+
+def loss_of(out: Any, targets: Any, loss_fn: Optional[Callable]) -> torch.Tensor:
+    """``loss_fn(out, targets)``, or with ``loss_fn=None`` the loss the model returned
+    (Hugging Face's ``.loss`` / ``["loss"]``, or a scalar tensor)."""
+    if loss_fn is not None:
+        return loss_fn(out, targets)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+        loss = out
+    if not isinstance(loss, torch.Tensor):
+        raise TraceError(
+            "pw.Trainer(loss_fn=None) takes the loss from the model's output, which has "
+            f"none ({type(out).__name__}): put the labels in the inputs (Hugging Face: "
+            "labels=...) so the model returns .loss, or pass a loss_fn")
+    return loss
+
+
+@contextlib.contextmanager
+def mode(model: torch.nn.Module, training: bool):
+    """Trace ``model`` in train or eval mode, and leave every module's flag as it was."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def autocast(options: Options):
+    if options.precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def forward_loss(model, loss_fn, options: Options, params, fixed, inputs, targets):
+    with autocast(options):
+        loss = loss_of(call_model(model, {**params, **fixed}, inputs), targets, loss_fn)
+    return loss.float() if loss.dtype != torch.float32 else loss
+
+
+# ---------------------------------------------------------------------- pieces of a step
+
+def gradients(loss: torch.Tensor, params: Dict[str, torch.Tensor]) -> Dict[str, Optional[torch.Tensor]]:
+    """d loss / d params; None for parameters the loss does not use (torch leaves
+    their ``.grad`` None, and the optimizer skips them)."""
+    names = list(params)
+    gs = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
+    return dict(zip(names, gs))
+
+
+def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, params,
+                    grads, states, lrs):
+    """``clip_grad_norm_`` (when asked) and the optimizer step, in place; returns the
+    state the step created (absent from ``states``), per parameter name."""
+    with torch.no_grad():
+        if options.max_grad_norm is not None:
+            with_grad = [params[n] for n in params if grads.get(n) is not None]
+            for n in params:
+                params[n].grad = grads.get(n)
+            torch.nn.utils.clip_grad_norm_(with_grad, options.max_grad_norm, foreach=False)
+            grads = {n: params[n].grad for n in params}
+            for n in params:
+                params[n].grad = None
+    after = fopt.update(spec, [[params[n] for n in g] for g in groups],
+                        [[grads.get(n) for n in g] for g in groups],
+                        [[states[n] for n in g] for g in groups], lrs)
+    created = {}
+    for g, sts in zip(groups, after):
+        for n, st in zip(g, sts):
+            new = {k: v for k, v in st.items()
+                   if k not in states[n] and isinstance(v, torch.Tensor)}
+            if new:
+                created[n] = new
+    return created
+
+
+def _requires_grad(params):
+    for t in params.values():
+        t.requires_grad_()
+
+
+# ---------------------------------------------------------------------- programs
+
+def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: Options,
+                 last: bool = True):
+    """One SPMD step. With ``accumulate=k`` the first k-1 calls (``last=False``) only add
+    their gradients to ``acc``; the k-th adds its own, averages, clips and updates."""
+    k = options.accumulate
+
+    def train_step(params, fixed, states, acc, lrs, inputs, targets, hyper):
+        _requires_grad(params)
+        with mode(model, True):
+            loss = forward_loss(model, loss_fn, options, params, fixed, inputs, targets)
+            grads = gradients(loss, params)
+        if k > 1:
+            with torch.no_grad():
+                for n, g in grads.items():
+                    if g is not None:
+                        acc[n].add_(g)
+                if not last:
+                    return loss.detach(), {}
+                grads = {n: (acc[n] / k if g is not None else None) for n, g in grads.items()}
+                for t in acc.values():
+                    t.zero_()
+        created = clip_and_update(dict(spec, groups=hyper), groups, options, params, grads,
+                                  states, lrs)
+        return loss.detach(), created
     return train_step
 
 
-def _make_grad_fn(model, loss_fn, flat: bool = False):
+def make_grad_fn(model, loss_fn, options: Options, flat: bool = False):
+    """Forward and backward only: the gradients (one flat buffer with ``flat``, which
+    travels between islands as one transfer) and the loss."""
     def grads(params, fixed, inputs, targets):
-        names = list(params)
-        leaves = [params[n].requires_grad_() for n in names]
-        loss = loss_fn(torch.func.functional_call(model, {**params, **fixed}, (inputs,)),
-                       targets)
-        gs = torch.autograd.grad(loss, leaves)
+        _requires_grad(params)
+        with mode(model, True):
+            loss = forward_loss(model, loss_fn, options, params, fixed, inputs, targets)
+            gs = gradients(loss, params)
+        gs = {n: (g if g is not None else torch.zeros_like(params[n])) for n, g in gs.items()}
         if flat:
-            return torch.cat([g.reshape(-1) for g in gs]), loss.detach()
-        return dict(zip(names, gs)), loss.detach()
+            return torch.cat([g.reshape(-1) for g in gs.values()]), loss.detach()
+        return gs, loss.detach()
     return grads
 
 
-def _unflatten(flat, shapes: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
+def unflatten(flat, shapes: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
     out, at = {}, 0
     for n, shape in shapes.items():
         k = 1
@@ -48,28 +204,59 @@ def _unflatten(flat, shapes: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _apply(group_of, params, state, sc, grad_list, hyper):
-    """The optimizer update with the mean of ``grad_list`` (summed in its order)."""
-    kind, groups = hyper
-    new_params, new_state = {}, {}
-    for n, p in params.items():
-        g = grad_list[0][n]
-        for other in grad_list[1:]:
-            g = g + other[n]
-        if len(grad_list) > 1:
-            g = g / len(grad_list)
-        gi = group_of[n]
-        new_params[n], new_state[n] = fopt.update(kind, dict(groups[gi]), sc[gi],
-                                                  p.detach(), g, state[n])
-    return new_params, new_state
-
-
-def _make_apply_fn(group_of, flat_shapes: Optional[Dict[str, tuple]] = None):
-    def apply(params, state, sc, grad_list, hyper):
+def make_apply_fn(spec: Dict, groups: List[List[str]], options: Options,
+                  flat_shapes: Optional[Dict[str, tuple]] = None):
+    """The update with the mean of ``grad_list`` (summed in its order, so every replica
+    that sums the same list computes the same update). ``coef``, when given, is the
+    clipping factor computed over several programs' gradients (a pipeline's stages),
+    which replaces clipping this program's own."""
+    def apply(params, states, lrs, grad_list, hyper, coef=None):
+        total = grad_list[0]
         if flat_shapes is not None:
-            total = grad_list[0]
             for other in grad_list[1:]:
                 total = total + other
-            grad_list = [_unflatten(total / len(grad_list), flat_shapes)]
-        return _apply(group_of, params, state, sc, grad_list, hyper)
+            grads = unflatten(total / len(grad_list), flat_shapes)
+        else:
+            grads = {}
+            for n in params:
+                g = grad_list[0][n]
+                for other in grad_list[1:]:
+                    g = g + other[n]
+                grads[n] = g / len(grad_list) if len(grad_list) > 1 else g
+        opts = options
+        if coef is not None:
+            grads = {n: g * coef for n, g in grads.items()}
+            opts = dataclasses.replace(options, max_grad_norm=None)
+        names = set(params)
+        sub = [[n for n in g if n in names] for g in groups]
+        return clip_and_update(dict(spec, groups=hyper), sub, opts, params, grads, states,
+                               lrs)
     return apply
+
+
+def grad_square_sum(grads: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum of the squares of every gradient (a part of the global norm)."""
+    return torch.stack([g.float().pow(2).sum() for g in grads.values()]).sum()
+
+
+def clip_coef(square_sums: List[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_``'s factor from the parts' square sums."""
+    total = torch.stack(square_sums).sum().sqrt()
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def make_eval_fn(model, loss_fn, options: Options):
+    """The loss in eval mode: no dropout, BatchNorm's running statistics, no update."""
+    def evaluate(params, fixed, inputs, targets):
+        with mode(model, False), torch.no_grad():
+            return forward_loss(model, loss_fn, options, params, fixed, inputs, targets)
+    return evaluate
+
+
+def make_predict_fn(model, options: Options):
+    """The model's outputs in eval mode (any pytree: tensors, tuples, dicts,
+    Hugging Face ModelOutputs)."""
+    def predict(params, fixed, inputs):
+        with mode(model, False), torch.no_grad(), autocast(options):
+            return call_model(model, {**params, **fixed}, inputs)
+    return predict

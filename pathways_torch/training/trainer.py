@@ -25,6 +25,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -32,6 +34,7 @@ import torch
 from ..client.array import Array, put
 from ..client.checkpoint import load_arrays, save_arrays
 from ..client.program import Program
+from ..client.rng import SeedStream
 from ..errors import PathwaysError
 from ..parallel.strategies import DataParallel, MultiIsland, Pipeline, mesh_sizes
 from ..sharding import P, validate_spec
@@ -40,16 +43,36 @@ from . import optim as fopt
 from .batches import _place_batch
 from .elastic import Restart
 from .islands import multi_island_step
-from .pipeline import _split_stages, pipeline_step
-from .programs import _make_step_fn
+from .pipeline import _split_stages, pipeline_eval, pipeline_step
+from .programs import (Options, make_eval_fn, make_predict_fn, make_step_fn)
 
 
 class Trainer:
-    """Train ``model`` with ``optimizer`` and ``loss_fn(model(inputs), targets)``."""
+    """Train ``model`` with ``optimizer`` and ``loss_fn(model(inputs), targets)``.
+
+    ``inputs`` is what the model takes: a tensor (``model(x)``), a tuple or list
+    (``model(*x)``) or a dict (``model(**x)``); with ``loss_fn=None`` the model returns
+    its own loss (Hugging Face: labels inside ``inputs``, ``.loss`` in the output).
+
+    ``max_grad_norm`` clips the global gradient norm before each update (as
+    ``torch.nn.utils.clip_grad_norm_``); ``accumulate=k`` makes every k calls of
+    ``step`` one update (equal to one step on the k micro-batches concatenated);
+    ``precision="bf16"`` runs forward and loss under ``torch.autocast("cpu",
+    torch.bfloat16)`` with fp32 parameters and optimizer state. ``scheduler`` (a
+    ``torch.optim.lr_scheduler`` of ``optimizer``) is stepped after every update and
+    saved in checkpoints. ``seed`` (default ``torch.initial_seed()``) starts the stream
+    of RNG seeds of the steps: dropout draws new masks every step, the same seed gives
+    the same run, and checkpoints hold the stream's position.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable, *, slice=None, parallelism=None) -> None:
+                 loss_fn: Optional[Callable] = None, *, slice=None, parallelism=None,
+                 max_grad_norm: Optional[float] = None, accumulate: int = 1,
+                 precision: Optional[str] = None, scheduler=None,
+                 seed: Optional[int] = None) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.options = Options(max_grad_norm, int(accumulate), precision)
+        self.scheduler = scheduler
         self.opt = fopt.describe(optimizer)
         if isinstance(parallelism, (Pipeline, MultiIsland)):
             self.slices = list(parallelism.slices)
@@ -60,6 +83,11 @@ class Trainer:
             raise PathwaysError("pw.Trainer needs slice= (or a Pipeline / MultiIsland "
                                 "parallelism that names its slices)")
         self.parallelism = parallelism
+        if isinstance(parallelism, (Pipeline, MultiIsland)) and accumulate > 1:
+            raise PathwaysError(f"accumulate={accumulate} runs with DataParallel, FSDP and "
+                                f"TensorParallel; a {type(parallelism).__name__} step "
+                                "already accumulates over its micro-batches / islands: "
+                                "give it the whole batch")
         ids = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         named = dict(model.named_parameters())
         self._group_of = {n: ids[id(p)] for n, p in named.items()
@@ -68,9 +96,11 @@ class Trainer:
             raise PathwaysError(
                 "the optimizer holds none of the model's parameters: build it from "
                 "model.parameters() of the same model you pass to pw.Trainer")
+        self._groups = [[n for n in self._group_of if self._group_of[n] == gi]
+                        for gi in range(len(optimizer.param_groups))]
         fixed = {n: p for n, p in named.items() if n not in self._group_of}
         fixed.update(dict(model.named_buffers()))
-        self._shapes = {n: tuple(named[n].shape) for n in self._group_of}
+        self._shapes = {n: tuple(t.shape) for n, t in {**named, **fixed}.items()}
         if isinstance(parallelism, Pipeline):
             self._stages = _split_stages(model, parallelism)
         self._place(self.slices)
@@ -78,15 +108,23 @@ class Trainer:
         self.replicas: List[Dict[str, Array]] = []
         self.states: List[Dict[str, Dict[str, Array]]] = []
         self.fixed: List[Dict[str, Array]] = []
+        self.acc: List[Dict[str, Array]] = []        # accumulated gradients (accumulate > 1)
+        initial = self._initial_states(named)
         for home_of in homes:
             self.replicas.append({n: put(named[n].detach(), home_of(n), self.param_specs[n])
                                   for n in self._group_of})
-            self.fixed.append({n: put(t.detach(), home_of(n), P()) for n, t in fixed.items()})
-            self.states.append({n: {k: put(t, home_of(n), self.param_specs[n])
-                                    for k, t in self._initial_state(n, named[n]).items()}
+            self.fixed.append({n: put(t.detach(), home_of(n), self.param_specs[n])
+                               for n, t in fixed.items()})
+            self.states.append({n: {k: put(t, home_of(n), self._state_spec(n, t))
+                                    for k, t in initial[n].items()}
                                 for n in self._group_of})
+            self.acc.append({n: put(torch.zeros_like(named[n].detach()), home_of(n),
+                                    self.param_specs[n])
+                             for n in self._group_of} if self.options.accumulate > 1 else {})
         self.steps = next((int(st["step"]) for st in optimizer.state.values()
                            if "step" in st), 0)
+        self.micro = 0                                # micro-steps since the last update
+        self.seeds = SeedStream(torch.initial_seed() if seed is None else seed)
         self._programs: Dict[str, Program] = {}
         self.restarts: List[Restart] = []         # fit's elastic restarts
 
@@ -109,8 +147,9 @@ class Trainer:
         if isinstance(self.parallelism, (Pipeline, MultiIsland)):
             self.parallelism = dataclasses.replace(self.parallelism, slices=tuple(slices))
         self._homes = homes
-        self.param_specs = {n: self._param_spec(n, self._shapes[n], homes[0](n))
-                            for n in self._group_of}
+        # parameters and buffers alike: FSDP shards BatchNorm statistics too
+        self.param_specs = {n: self._param_spec(n, shape, homes[0](n))
+                            for n, shape in self._shapes.items()}
 
     def _param_spec(self, name: str, shape, slice_) -> P:
         if isinstance(self.parallelism, (Pipeline, MultiIsland)):
@@ -120,11 +159,22 @@ class Trainer:
                       f"parameter {name!r}")
         return spec
 
-    def _initial_state(self, name: str, p: torch.Tensor) -> Dict[str, torch.Tensor]:
-        g = self.opt["groups"][self._group_of[name]]
-        existing = self.optimizer.state.get(p, {})
-        return {k: (existing[k].detach() if k in existing else torch.zeros_like(p.detach()))
-                for k in fopt.state_names(self.opt["kind"], g.get("momentum", 0.0))}
+    def _state_spec(self, name: str, t: torch.Tensor) -> P:
+        """Optimizer state shaped like its parameter is laid out like it; the rest
+        (a step count) is replicated."""
+        return self.param_specs[name] if tuple(t.shape) == self._shapes[name] else P()
+
+    def _initial_states(self, named) -> Dict[str, Dict[str, torch.Tensor]]:
+        """The torch optimizer's state where it has some (a resumed run), else the
+        state its first step would create."""
+        out = {}
+        for gi, names in enumerate(self._groups):
+            fresh = fopt.initial_state(self.opt, gi, [named[n] for n in names])
+            for n, st in zip(names, fresh):
+                existing = self.optimizer.state.get(named[n], {})
+                out[n] = ({k: v.detach().clone() for k, v in existing.items()
+                           if isinstance(v, torch.Tensor)} if existing else st)
+        return out
 
     @property
     def params(self) -> Dict[str, Array]:
@@ -132,42 +182,78 @@ class Trainer:
         return self.replicas[0]
 
     def _program(self, key: str, fn: Callable, donate: Tuple[int, ...] = ()) -> Program:
-        """A cached step program; ``donate``: arguments (parameters, optimizer state)
-        whose memory the outputs reuse, so updates happen in place on the workers."""
+        """A cached step program; ``donate``: arguments whose memory the outputs reuse
+        (inputs the program updates in place are donated anyway)."""
         prog = self._programs.get(key)
         if prog is None:
-            prog = self._programs[key] = Program(fn, name=f"{key}_{type(self.model).__name__}",
-                                                 donate_argnums=donate)
+            prog = self._programs[key] = Program(
+                fn, name=f"{key}_{type(self.model).__name__}", donate_argnums=donate,
+                seeds=self.seeds)
         return prog
 
-    def _scalars(self) -> Tuple[list, tuple]:
-        kind = self.opt["kind"]
-        sc = []
-        for gi, g in enumerate(self.opt["groups"]):
-            lr = float(self.optimizer.param_groups[gi]["lr"])
-            sc.append({k: torch.tensor(v, dtype=torch.float32)
-                       for k, v in fopt.scalars(kind, g, lr, self.steps).items()})
-        hyper = (kind, tuple(tuple(sorted(g.items())) for g in self.opt["groups"]))
-        return sc, hyper
+    def _hyper(self):
+        """The optimizer's static hyperparameters now (a program key: a scheduler that
+        changes momentum retraces) and each group's learning rate (an input)."""
+        self.opt = fopt.describe(self.optimizer)
+        return self.opt["groups"], fopt.lr_tensors(self.optimizer)
+
+    def _store_created(self, r: int, created: Dict[str, Dict[str, Array]]) -> None:
+        for n, st in created.items():
+            self.states[r][n].update(st)
 
     # ------------------------------------------------------------------ steps
-    def step(self, inputs: Any, targets: Any) -> Array:
-        """Dispatch one training step; returns the loss (a ``pw.Array``) at once."""
-        self.steps += 1
-        sc, hyper = self._scalars()
+    def step(self, inputs: Any, targets: Any = None) -> Array:
+        """Dispatch one training step; returns the loss (a ``pw.Array``) at once.
+
+        With ``accumulate=k``, each call is a micro-step whose loss it returns; the
+        optimizer update (and the scheduler's step) happens on every k-th call.
+        """
+        hyper, lrs = self._hyper()
         if isinstance(self.parallelism, Pipeline):
-            return pipeline_step(self, inputs, targets, sc, hyper)
-        if isinstance(self.parallelism, MultiIsland):
-            return multi_island_step(self, inputs, targets, sc, hyper)
-        s = self.slices[0]
-        axis = getattr(self.parallelism, "batch_axis", None)
-        prog = self._program("train_step", _make_step_fn(self.model, self.loss_fn,
-                                                         self._group_of), donate=(0, 2))
-        new_params, new_state, loss = prog(
-            self.replicas[0], self.fixed[0], self.states[0], sc,
-            _place_batch(inputs, s, axis), _place_batch(targets, s, axis), hyper)
-        self.replicas[0], self.states[0] = new_params, new_state
+            loss = pipeline_step(self, inputs, targets, lrs, hyper)
+        elif isinstance(self.parallelism, MultiIsland):
+            loss = multi_island_step(self, inputs, targets, lrs, hyper)
+        else:
+            k = self.options.accumulate
+            self.micro += 1
+            last = self.micro == k
+            s = self.slices[0]
+            axis = getattr(self.parallelism, "batch_axis", None)
+            key = "train_step" if k == 1 else ("accum_update" if last else "accumulate")
+            prog = self._program(key, make_step_fn(self.model, self.loss_fn, self.opt,
+                                                   self._groups, self.options, last=last),
+                                 donate=(0, 2, 3))
+            loss, created = prog(self.replicas[0], self.fixed[0], self.states[0],
+                                 self.acc[0], lrs, _place_batch(inputs, s, axis),
+                                 _place_batch(targets, s, axis), hyper)
+            self._store_created(0, created)
+            if not last:
+                return loss
+            self.micro = 0
+        self.steps += 1
+        if self.scheduler is not None:
+            self.scheduler.step()
         return loss
+
+    def evaluate(self, inputs: Any, targets: Any = None) -> Array:
+        """The loss on a batch in eval mode (no dropout, BatchNorm's running
+        statistics, no gradients, no update), as a ``pw.Array`` at once."""
+        if isinstance(self.parallelism, Pipeline):
+            return pipeline_eval(self, inputs, targets)
+        s, axis = self.slices[0], getattr(self.parallelism, "batch_axis", None)
+        prog = self._program("evaluate", make_eval_fn(self.model, self.loss_fn,
+                                                      self.options))
+        return prog(self.replicas[0], self.fixed[0], _place_batch(inputs, s, axis),
+                    _place_batch(targets, s, axis))
+
+    def predict(self, inputs: Any) -> Any:
+        """The model's outputs on a batch in eval mode, as ``pw.Array``s in the
+        model's output structure (a tensor, a tuple, a dict, a ModelOutput)."""
+        if isinstance(self.parallelism, Pipeline):
+            return pipeline_eval(self, inputs, None, outputs=True)
+        s, axis = self.slices[0], getattr(self.parallelism, "batch_axis", None)
+        prog = self._program("predict", make_predict_fn(self.model, self.options))
+        return prog(self.replicas[0], self.fixed[0], _place_batch(inputs, s, axis))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
@@ -178,7 +264,16 @@ class Trainer:
             "optim": {n: {k: a.torch() for k, a in st.items()}
                       for n, st in self.states[0].items()},
             "steps": torch.tensor(self.steps),
+            "rng": self._rng_tensor(),
         }
+
+    def _rng_tensor(self) -> torch.Tensor:
+        base = self.seeds.base - (1 << 64) if self.seeds.base >= 1 << 63 else self.seeds.base
+        return torch.tensor([base, self.seeds.position], dtype=torch.int64)
+
+    def _set_rng(self, t: torch.Tensor) -> None:
+        base, position = (int(v) for v in t.tolist())
+        self.seeds.base, self.seeds.position = base & ((1 << 64) - 1), position
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Put a ``state_dict()`` back on the slices (layout as the strategy says)."""
@@ -186,15 +281,19 @@ class Trainer:
             for n in self.replicas[r]:
                 self.replicas[r][n] = put(sd["model"][n], home_of(n), self.param_specs[n])
             for n in self.fixed[r]:
-                self.fixed[r][n] = put(sd["model"][n], home_of(n), P())
+                self.fixed[r][n] = put(sd["model"][n], home_of(n), self.param_specs[n])
             for n, st in self.states[r].items():
-                for k in st:
-                    st[k] = put(sd["optim"][n][k], home_of(n), self.param_specs[n])
+                for k in list(sd["optim"][n]):
+                    t = sd["optim"][n][k]
+                    st[k] = put(t, home_of(n), self._state_spec(n, t))
         self.steps = int(sd["steps"])
+        if "rng" in sd:
+            self._set_rng(sd["rng"])
 
     def sync_to(self, model: Optional[torch.nn.Module] = None) -> torch.nn.Module:
         """Copy the trained parameters and buffers back into ``model`` (default: the
-        Trainer's own) and the optimizer state into the torch optimizer."""
+        Trainer's own) and the optimizer state into the torch optimizer, so that
+        plain torch can go on where the Trainer stopped."""
         model = model or self.model
         sd = self.state_dict()
         with torch.no_grad():
@@ -206,14 +305,14 @@ class Trainer:
             for n, st in sd["optim"].items():
                 torch_state = self.optimizer.state[named[n]]
                 torch_state.update({k: v.clone() for k, v in st.items()})
-                torch_state["step"] = torch.tensor(float(self.steps))
         return model
 
     def save(self, path: str) -> None:
         """Write the state in the torch.distributed.checkpoint format (a directory).
 
-        Each slice's executor writes the parameters and optimizer state it holds; only
-        the metadata passes through the client. Plain PyTorch reads the result::
+        Each slice's executor writes the parameters, buffers and optimizer state it
+        holds; only the metadata passes through the client. ``trainer.json`` beside them
+        holds the scheduler's state. Plain PyTorch reads the tensors::
 
             trainer.save("ckpt")
             sd = {"model": {n: torch.empty_like(p) for n, p in model.state_dict().items()},
@@ -223,27 +322,44 @@ class Trainer:
         arrays = {f"model.{n}": a for n, a in {**self.replicas[0], **self.fixed[0]}.items()}
         for n, st in self.states[0].items():
             arrays.update({f"optim.{n}.{k}": a for k, a in st.items()})
+        for n, a in self.acc[0].items():
+            arrays[f"acc.{n}"] = a
         home = self._homes[0]
         first = next(iter(self.replicas[0]))
         arrays["steps"] = put(torch.tensor(self.steps), home(first), P())
+        arrays["rng"] = put(self._rng_tensor(), home(first), P())
         save_arrays(path, arrays)
+        side = {"micro": self.micro,
+                "scheduler": _jsonable(self.scheduler.state_dict())
+                if self.scheduler is not None else None}
+        with open(os.path.join(path, "trainer.json"), "w") as f:
+            json.dump(side, f)
 
     def load(self, path: str) -> None:
         """Read a checkpoint written by ``save`` (or by torch.distributed.checkpoint with
         the same keys); the executors read their parts from the files directly."""
+        side_path = os.path.join(path, "trainer.json")
+        side = {}
+        if os.path.exists(side_path):
+            with open(side_path) as f:
+                side = json.load(f)
         for r, home_of in enumerate(self._homes):
             wanted = {}
             for n, a in self.replicas[r].items():
                 wanted[f"model.{n}"] = (home_of(n), a.shape, a.dtype, self.param_specs[n])
             for n, a in self.fixed[r].items():
-                wanted[f"model.{n}"] = (home_of(n), a.shape, a.dtype, P())
+                wanted[f"model.{n}"] = (home_of(n), a.shape, a.dtype, self.param_specs[n])
             for n, st in self.states[r].items():
                 for k, a in st.items():
                     wanted[f"optim.{n}.{k}"] = (home_of(n), a.shape, a.dtype,
-                                                self.param_specs[n])
+                                                self._state_spec(n, a))
+            for n, a in self.acc[r].items():
+                wanted[f"acc.{n}"] = (home_of(n), a.shape, a.dtype, self.param_specs[n])
             if r == 0:
                 first = next(iter(self.replicas[0]))
                 wanted["steps"] = (home_of(first), torch.Size([]), torch.int64, P())
+                if side:
+                    wanted["rng"] = (home_of(first), torch.Size([2]), torch.int64, P())
             got = load_arrays(path, wanted)
             for n in self.replicas[r]:
                 self.replicas[r][n] = got[f"model.{n}"]
@@ -252,8 +368,15 @@ class Trainer:
             for n, st in self.states[r].items():
                 for k in st:
                     st[k] = got[f"optim.{n}.{k}"]
+            for n in self.acc[r]:
+                self.acc[r][n] = got[f"acc.{n}"]
             if r == 0:
                 self.steps = int(got["steps"].torch())
+                if "rng" in got:
+                    self._set_rng(got["rng"].torch())
+        self.micro = int(side.get("micro", 0))
+        if self.scheduler is not None and side.get("scheduler") is not None:
+            self.scheduler.load_state_dict(side["scheduler"])
 
     # ------------------------------------------------------------------ elastic training
     def fit(self, data: Any, *, steps: Optional[int] = None,
@@ -310,3 +433,20 @@ class Trainer:
                            on_step=on_step, wait_timeout=wait_timeout,
                            keep_checkpoints=keep_checkpoints, progress=progress,
                            resume=resume)
+
+
+def _jsonable(value):
+    """A scheduler's state_dict as JSON (what cannot be written, a lambda, is left out:
+    torch's own state_dict leaves LambdaLR's functions out the same way)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items() if _is_jsonable(v)}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value if _is_jsonable(v)]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return value
+
+
+def _is_jsonable(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str, dict, list, tuple,
+                                       torch.Tensor))
