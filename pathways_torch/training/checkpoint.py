@@ -1,5 +1,6 @@
 """``fit``'s checkpoint directory: ``root/step-NNNNNN/`` (each a ``Trainer.save``) and
-``root/latest.json``, naming the newest complete one.
+``root/latest.json``, naming the newest complete one. ``fit(resume=True)`` reads it
+back in a new process (a restarted script) as ``fit`` does after a lost worker.
 
 (How a checkpoint's arrays are written and read by the executors is the client's:
 ``pathways_torch/client/checkpoint.py``.)
@@ -9,16 +10,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 
+_STEP_DIR = re.compile(r"step-(\d{6,})$")
+
+
 class _Checkpoints:
     """``root/step-NNNNNN/`` written by ``Trainer.save``; ``root/latest.json`` names the
-    newest complete one (replaced atomically after the save returned)."""
+    newest complete one (replaced atomically after the save returned).
+
+    ``latest.json``: ``step`` (fit's step count: batches done), ``path`` (the
+    ``step-NNNNNN`` directory), ``trainer_steps`` (``trainer.steps``: optimizer updates,
+    fewer than ``step`` with ``accumulate``), ``lrs`` (each param group's learning rate,
+    which ``Trainer.save`` does not hold) and ``time`` (when it was written, epoch s)."""
 
     def __init__(self, root: str, keep: Optional[int]) -> None:
         if keep is not None and keep < 1:
@@ -33,7 +44,8 @@ class _Checkpoints:
         shutil.rmtree(path, ignore_errors=True)     # no stale parts of an earlier run
         trainer.save(path)
         info = {"step": step, "path": name, "trainer_steps": trainer.steps,
-                "lrs": [float(g["lr"]) for g in trainer.optimizer.param_groups]}
+                "lrs": [float(g["lr"]) for g in trainer.optimizer.param_groups],
+                "time": time.time()}
         tmp = os.path.join(self.root, "latest.json.tmp")
         with open(tmp, "w") as f:
             json.dump(info, f)
@@ -47,6 +59,20 @@ class _Checkpoints:
             shutil.rmtree(os.path.join(self.root, self.written.pop(0)), ignore_errors=True)
 
     def latest(self) -> Tuple[int, str, dict]:
+        """(step, directory, the whole latest.json) of the newest complete checkpoint."""
         with open(os.path.join(self.root, "latest.json")) as f:
             info = json.load(f)
         return int(info["step"]), os.path.join(self.root, info["path"]), info
+
+    def exists(self) -> bool:
+        """Whether a complete checkpoint is recorded (``latest.json`` is there)."""
+        return os.path.exists(os.path.join(self.root, "latest.json"))
+
+    def adopt(self, step: int) -> None:
+        """Count the ``step-NNNNNN/`` directories an earlier run left, up to ``step``
+        (the one resumed from), as written by this one: ``keep`` then removes the
+        oldest of them as new checkpoints come, as that run would have."""
+        found = sorted((int(m.group(1)), name) for name in os.listdir(self.root)
+                       if (m := _STEP_DIR.match(name))
+                       and os.path.isdir(os.path.join(self.root, name)))
+        self.written = [name for k, name in found if k <= step]
