@@ -123,9 +123,18 @@ def _decompositions() -> Dict:
     if _DECOMPS is None:
         from torch._decomp import core_aten_decompositions
         has = torch._C._dispatch_has_kernel_for_dispatch_key
+        aten = torch.ops.aten
+        # torch_xla's batch norm updates running_var with the biased batch variance
+        # (torch: unbiased); torch's decomposition does what torch does
+        wrong_on_xla = {aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
+                        aten._native_batch_norm_legit_functional.default,
+                        aten._native_batch_norm_legit.no_stats}
+        from torch._decomp import decomposition_table
         _DECOMPS = {op: f for op, f in core_aten_decompositions().items()
                     if isinstance(op, torch._ops.OpOverload)
-                    and not has(op.name(), "XLA")}
+                    and (not has(op.name(), "XLA") or op in wrong_on_xla)}
+        _DECOMPS.update({op: decomposition_table[op] for op in wrong_on_xla
+                         if op in decomposition_table})
     return _DECOMPS
 
 

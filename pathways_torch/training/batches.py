@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -14,10 +15,11 @@ from ..sharding import P, validate_spec
 
 def _place_batch(value, slice_, axis: Optional[str]):
     """Every tensor of a batch pytree on ``slice_``, split along dimension 0 over the mesh
-    axis ``axis`` (None: replicated); Arrays are taken as they are."""
+    axis ``axis`` (None: replicated); Arrays are taken as they are, and leaves that are
+    not tensors (strings, numbers, None) stay Python values (static in the program)."""
     def place(t):
-        if isinstance(t, Array):
-            return t
+        if isinstance(t, Array) or not isinstance(t, (torch.Tensor, np.ndarray)):
+            return t            # an Array as it is; strings, numbers, None are static
         t = torch.as_tensor(t)
         spec = P(axis) if (axis and t.dim()) else P()
         try:
@@ -34,6 +36,9 @@ def _split(value, n: int, what: str) -> list:
     leaves, spec = pytree.tree_flatten(value)
     parts = []
     for t in leaves:
+        if not isinstance(t, (torch.Tensor, np.ndarray)):
+            parts.append([t] * n)           # a static leaf: the same in every part
+            continue
         t = torch.as_tensor(t)
         if t.shape[0] % n:
             raise ShardingError(f"a batch of {t.shape[0]} cannot be split into {n} equal "
