@@ -14,7 +14,8 @@ Two steps, so that capture never depends on what the process did before:
    ``torch.compiler.is_compiling()`` is true, as under ``torch.compile``/``torch.export``,
    so libraries take their trace-friendly paths (Hugging Face attention masks), and
    ``scaled_dot_product_attention`` takes its math path (what XLA runs). Ops that
-   torch_xla does not lower are decomposed into ones it does.
+   torch_xla does not lower are decomposed into ones it does (torch's own
+   decompositions, and the static-shape formulas of lowerings.py).
 2. **The program.** The graph is replayed on torch_xla placeholder tensors (factory
    ops' CPU devices remapped to the XLA device) and the lazy IR of its outputs is
    lowered to an HLO module (``_get_xla_tensors_hlo_proto``), which is what travels to
@@ -46,6 +47,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import DataDependentError, PathwaysError, ShapeError, TraceError
+from . import lowerings
 
 _lock = threading.RLock()
 _device = None
@@ -216,7 +218,7 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
         info["statics"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
-    table = _decompositions()
+    table = {**_decompositions(), **lowerings.table()}
     try:
         with _compiling(), _quiet("torch._subclasses.fake_tensor"):
             joint = make_fx(flat_fn, tracing_mode="fake", decomposition_table=table,
