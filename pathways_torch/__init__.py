@@ -44,8 +44,8 @@ _LAZY = {
     "Device": "client.runtime", "Slice": "client.runtime", "devices": "client.runtime",
     "dispatch_mode": "client.runtime", "init": "client.runtime",
     "is_initialized": "client.runtime", "shutdown": "client.runtime",
-    "slice": "client.runtime",
-    "Trainer": "training.trainer",
+    "slice": "client.runtime", "manual_seed": "client.runtime",
+    "Trainer": "training.trainer", "FitResult": "training.elastic",
     "DataParallel": "parallel.strategies", "FullyShardedDataParallel": "parallel.strategies",
     "TensorParallel": "parallel.strategies", "Pipeline": "parallel.strategies",
     "MultiIsland": "parallel.strategies",
@@ -53,9 +53,10 @@ _LAZY = {
 
 __all__ = [
     "init", "shutdown", "is_initialized", "devices", "slice", "put", "wait", "program",
-    "graph", "dispatch_mode", "profile", "P", "Array", "Slice", "Device", "Program", "Graph",
+    "graph", "dispatch_mode", "profile", "manual_seed", "P", "Array", "Slice", "Device",
+    "Program", "Graph",
     "Profile",
-    "Trainer", "DataParallel", "FullyShardedDataParallel", "TensorParallel", "Pipeline",
+    "Trainer", "FitResult", "DataParallel", "FullyShardedDataParallel", "TensorParallel", "Pipeline",
     "MultiIsland",
     "PathwaysError", "NotInitializedError", "ClusterShutdownError", "ResourceExhaustedError",
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",

@@ -187,10 +187,6 @@ def torch_dict_losses(data):
     return out
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "needs Trainer.step(inputs, None): at b9db5de _place_batch(None, ...) calls "
-    "torch.as_tensor(None); passes with batches.py leaving non-tensor leaves as they are "
-    "(in progress; drop this mark when it is committed)"))
 @pytest.mark.parametrize("loss_fn", [lambda out, targets: out["loss"], None],
                          ids=["loss_fn_ignoring_targets", "loss_fn_none"])
 def test_dict_batches(s2, loss_fn):

@@ -68,6 +68,15 @@ def xla_device():
     return _device
 
 
+class _TensorLeaf:
+    def __repr__(self) -> str:
+        return "TENSOR"
+
+
+#: Marks the flat output leaves that are tensors (``Traced.out_static``).
+TENSOR = _TensorLeaf()
+
+
 @dataclasses.dataclass
 class Traced:
     name: str
@@ -76,13 +85,15 @@ class Traced:
     constants: List[torch.Tensor]        # CPU tensors
     out_avals: List[Tuple[Tuple[int, ...], torch.dtype]]
     out_tree: Any                        # pytree spec of the function's outputs
-    out_static: List[Any]                # per flat output leaf: None for tensors, else the value
+    out_static: List[Any]                # per flat output leaf: TENSOR, else the value
     fingerprint: str
     #: (input index, output index): the input was updated in place; the output (after
     #: the function's own tensor outputs) holds its new value.
     mutations: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
     #: The program draws random numbers: it takes one more input, an int64 seed.
     rng: bool = False
+    #: Trailing outputs that only keep an input in the program (the caller drops them).
+    extra: int = 0
 
 
 def _data_dependent(name: str, what: str) -> DataDependentError:
@@ -114,8 +125,11 @@ _DECOMPS = None
 def _has_xla_kernel(op) -> bool:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     name = op.name()
-    return (has(name, "XLA") or has(name, "CompositeExplicitAutograd")
-            or has(name, "CompositeImplicitAutograd"))
+    try:
+        return (has(name, "XLA") or has(name, "CompositeExplicitAutograd")
+                or has(name, "CompositeImplicitAutograd"))
+    except RuntimeError:            # an overload the dispatcher does not know
+        return False
 
 
 def _decompositions() -> Dict:
@@ -215,7 +229,7 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
         args, kwargs = build_args(list(tensors))
         leaves, tree = pytree.tree_flatten(fn(*args, **kwargs))
         info["tree"] = tree
-        info["statics"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        info["statics"] = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
     table = {**_decompositions(), **lowerings.table()}
@@ -235,7 +249,7 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
         raise TraceError(f"functionalizing program '{name}' failed: {type(e).__name__}: "
                          f"{e}\n{_REPORT}") from e
     info["mutations"] = _lift_input_mutations(gm)
-    if not info["mutations"] and not any(s is None for s in info["statics"]):
+    if not info["mutations"] and not any(s is TENSOR for s in info["statics"]):
         raise TraceError(f"program '{name}' returns no tensor and updates none of its "
                          "inputs in place; return at least one tensor")
     return gm, info
@@ -343,6 +357,13 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         if _executions() != before:
             raise _data_dependent(name, "something made XLA execute")
         outs = [o if o.device.type == "xla" else o.to(dev) for o in outs]
+        n_out = len(outs)
+        data_ids, _ = X._get_tensors_xla_device_data_node(outs)
+        if placeholders and not any(tid in ids for tid in data_ids):
+            # No output depends on an input (``x.zero_()``): executors run programs
+            # with parameters only, so the first input passes through as an extra
+            # output that the caller drops.
+            outs.append(placeholders[0])
         data_ids, data = X._get_tensors_xla_device_data_node(outs)
         params, constants, rng = [], [], False
         for tid, t in zip(data_ids, data):
@@ -357,7 +378,7 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
                 constants.append(t.cpu())
         hlo = X._get_xla_tensors_hlo_proto(outs)
         out_avals = [(tuple(o.shape), o.dtype) for o in outs]
-    n_user = len(out_avals) - len(info["mutations"])
+    n_user = n_out - len(info["mutations"])
     mutations = [(k, n_user + j) for j, k in enumerate(info["mutations"])]
     h = hashlib.sha256(hlo)
     h.update(repr((params, mutations, rng)).encode())
@@ -366,4 +387,4 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         h.update(c.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                  if c.numel() else b"")
     return Traced(name, hlo, params, constants, out_avals, info["tree"], info["statics"],
-                  h.hexdigest()[:24], mutations, rng)
+                  h.hexdigest()[:24], mutations, rng, len(out_avals) - n_out)

@@ -39,7 +39,7 @@ from ..sharding import P, as_spec, spec_from_proto, spec_to_proto, validate_spec
 from . import graph as graph_mod
 from . import runtime
 from .array import Array, put, wait
-from .capture import Traced, trace
+from .capture import TENSOR, Traced, trace
 
 _STATIC_TYPES = (int, float, bool, str, type(None), complex, torch.dtype)
 _program_ids = itertools.count(1)
@@ -171,10 +171,10 @@ class Program:
             new = Array(slice_, bid, seq, shape, dtype, spec, origin, hlo)
             if o in written:
                 self._write_back(leaves[dyn_pos[written[o]]], new)
-            else:
-                arrays.append(new)
+            elif o < len(traced.out_avals) - traced.extra:
+                arrays.append(new)          # (an extra output is dropped: released)
         arrays = iter(arrays)
-        flat = [next(arrays) if s is None else s for s in traced.out_static]
+        flat = [next(arrays) if s is TENSOR else s for s in traced.out_static]
         return pytree.tree_unflatten(flat, traced.out_tree)
 
     @staticmethod

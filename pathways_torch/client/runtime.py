@@ -314,6 +314,20 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
         _state.seeds = SeedStream(torch.initial_seed() if seed is None else seed)
 
 
+def manual_seed(seed: int) -> None:
+    """Restart the stream of RNG seeds of program calls (as ``torch.manual_seed`` does
+    for torch's generator): the calls after it draw the same numbers as the calls after
+    any other ``pw.manual_seed(seed)`` with the same seed. A ``pw.Trainer`` has its own
+    stream (its ``seed=``), which its checkpoints hold.
+
+    Example::
+
+        pw.manual_seed(0); a = noisy(x).torch()
+        pw.manual_seed(0); b = noisy(x).torch()     # equal to a
+    """
+    get_state().seeds = SeedStream(seed)
+
+
 def next_seed() -> int:
     """The next RNG seed of the session (for a program call that draws random numbers)."""
     state = get_state()

@@ -1,0 +1,261 @@
+"""Torch semantics in, torch semantics out: what capture does with a process's history,
+random numbers, in-place updates and ops that torch_xla would run on the CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch import P
+
+
+@pytest.fixture(scope="module")
+def s4(cluster8):
+    s = pw.slice((4,), axis_names=("data",))
+    yield s
+    s.release()
+
+
+@pw.program
+def noisy(x):
+    return x + torch.rand_like(x)
+
+
+# ---------------------------------------------------------------------- history
+
+def test_a_cpu_backward_before_init_does_not_break_tracing(tmp_path):
+    """The autograd engine sizes its device queues when it first runs: a CPU backward
+    before the first traced step used to break every later one. Run as a fresh process,
+    the way a user's script or notebook would."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import torch, pathways_torch as pw
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
+        ref = [p.detach().clone() for p in model.parameters()]
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()                                # the sanity check on the CPU
+        with torch.no_grad():
+            want = torch.nn.functional.cross_entropy(model(x), y).item()
+        pw.init(devices_per_host=2)
+        tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        torch.nn.functional.cross_entropy, slice=pw.slice((2,)))
+        got = float(tr.step(x, y))
+        print("LOSSES", want, got)
+        assert abs(want - got) < 1e-5, (want, got)
+        pw.shutdown()
+    """))
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "LOSSES" in out.stdout
+
+
+def test_trace_runs_as_under_torch_compile(s4):
+    """Libraries take their trace-friendly paths (Hugging Face reads the mask's values
+    unless it believes it is compiled) because is_compiling() is true while tracing."""
+    @pw.program
+    def branch(x):
+        return x + 1 if torch.compiler.is_compiling() else x - 1
+
+    got = branch(pw.put(torch.zeros(4), s4)).torch()
+    assert torch.equal(got, torch.ones(4))
+    assert not torch.compiler.is_compiling()        # and only while tracing
+
+
+# ---------------------------------------------------------------------- randomness
+
+def test_random_ops_draw_fresh_values_every_call(s4):
+    x = pw.put(torch.zeros(256, 64), s4, P("data"))
+    a, b = noisy(x).torch(), noisy(x).torch()
+    assert not torch.equal(a, b)
+    n = a.numel()
+    # U(0, 1): mean 1/2, variance 1/12; 5 standard errors of tolerance
+    assert abs(a.mean().item() - 0.5) < 5 * (1 / 12) ** 0.5 / n ** 0.5
+    assert abs(a.var().item() - 1 / 12) < 5 * 0.0745 / n ** 0.5
+
+
+def test_normal_and_integer_draws(s4):
+    @pw.program
+    def draws(x):
+        return (torch.randn(x.shape), torch.randint(0, 10, x.shape),
+                torch.bernoulli(torch.full(x.shape, 0.25)),
+                torch.multinomial(torch.tensor([0.1, 0.2, 0.7]), 4096, replacement=True))
+
+    n, ints, coins, picks = draws(pw.put(torch.zeros(128, 64), s4))
+    n, ints, coins, picks = n.torch(), ints.torch(), coins.torch(), picks.torch()
+    assert abs(n.mean().item()) < 5 / n.numel() ** 0.5
+    assert abs(n.std().item() - 1) < 0.05
+    assert ints.min().item() >= 0 and ints.max().item() <= 9
+    assert len(torch.unique(ints)) == 10
+    assert abs(coins.mean().item() - 0.25) < 5 * (0.25 * 0.75 / coins.numel()) ** 0.5
+    freq = torch.bincount(picks, minlength=3).float() / picks.numel()
+    assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.7]), atol=0.03), freq
+
+
+def test_dropout_keeps_the_right_fraction_and_scales(s4):
+    @pw.program
+    def drop(x):
+        return torch.nn.functional.dropout(x, 0.3)
+
+    x = pw.put(torch.ones(512, 64), s4, P("data"))
+    y1, y2 = drop(x).torch(), drop(x).torch()
+    kept = (y1 != 0).float().mean().item()
+    assert abs(kept - 0.7) < 5 * (0.3 * 0.7 / y1.numel()) ** 0.5
+    assert torch.allclose(y1[y1 != 0], torch.tensor(1 / 0.7))
+    assert not torch.equal(y1, y2)                  # a new mask every call
+
+
+def test_same_seed_same_numbers(s4):
+    x = pw.put(torch.zeros(64, 8), s4, P("data"))
+    pw.manual_seed(1234)
+    a = [noisy(x).torch() for _ in range(2)]
+    pw.manual_seed(1234)
+    b = [noisy(x).torch() for _ in range(2)]
+    pw.manual_seed(99)
+    c = noisy(x).torch()
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c)
+
+
+def test_a_sharded_draw_is_the_unsharded_draw(s4):
+    """Each shard holds its own part of one draw: not the same numbers on every shard."""
+    @pw.program(out_specs=P("data"))
+    def sharded(x):
+        return torch.rand(64, 8) + x.sum() * 0
+
+    @pw.program(out_specs=P())
+    def whole(x):
+        return torch.rand(64, 8) + x.sum() * 0
+
+    one = pw.put(torch.ones(4), s4)
+    pw.manual_seed(7)
+    u = whole(one).torch()
+    pw.manual_seed(7)
+    v = sharded(one)
+    assert v.sharding == P("data")
+    v = v.torch()
+    assert torch.equal(u, v)
+    rows = v.chunk(4)
+    assert all(not torch.equal(rows[0], r) for r in rows[1:])
+
+
+# ---------------------------------------------------------------------- mutation
+
+def test_in_place_updates_of_inputs_are_written_back(s4):
+    @pw.program
+    def bump(x, y):
+        x.add_(1)
+        y[0].mul_(10)              # through a view
+        return x * 2
+
+    x = pw.put(torch.zeros(8), s4, P("data"))
+    y = pw.put(torch.ones(4, 2), s4)
+    out = bump(x, y)
+    assert torch.equal(x.torch(), torch.ones(8))            # the input sees the update
+    assert torch.equal(out.torch(), torch.full((8,), 2.0))
+    assert torch.equal(y.torch(), torch.tensor([[10.0, 10.0], [1, 1], [1, 1], [1, 1]]))
+    assert x.sharding == P("data")
+    bump(x, y)
+    assert torch.equal(x.torch(), torch.full((8,), 2.0))    # and updates the new value
+
+
+def test_a_program_may_only_update_its_inputs(s4):
+    @pw.program
+    def clear(x):
+        x.zero_()
+
+    x = pw.put(torch.ones(8), s4)
+    assert clear(x) is None
+    assert torch.equal(x.torch(), torch.zeros(8))
+
+
+def test_update_of_an_input_from_another_slice_goes_back(s4):
+    other = pw.slice((1,))
+    try:
+        @pw.program
+        def add_into(v, acc):
+            acc.add_(v)
+            return v
+
+        acc = pw.put(torch.zeros(4), other)
+        add_into(pw.put(torch.ones(4), s4), acc)      # runs on s4; acc lives on other
+        assert acc.slice is other
+        assert torch.equal(acc.torch(), torch.ones(4))
+    finally:
+        other.release()
+
+
+def test_updates_inside_a_graph_and_of_cpu_inputs(s4):
+    @pw.program
+    def inc(x):
+        x.add_(1)
+        return x + 0
+
+    x = pw.put(torch.zeros(4), s4)
+    with pw.graph():
+        inc(x)
+        inc(x)
+    assert torch.equal(x.torch(), torch.full((4,), 2.0))
+    @pw.program
+    def inc_second(y, x):
+        x.add_(1)
+        return y + 0
+
+    with pytest.raises(pw.TraceError, match="pw.put it first"):
+        inc_second(x, torch.zeros(4))
+
+
+# ---------------------------------------------------------------------- CPU fallbacks
+
+def test_an_op_torch_xla_runs_on_the_cpu_is_refused_by_name(s4):
+    @pw.program
+    def buckets(x):
+        return torch.bucketize(x, torch.tensor([0.0, 0.5, 1.0]))
+
+    with pytest.raises(pw.DataDependentError, match="torch.bucketize"):
+        buckets(pw.put(torch.rand(8), s4))
+
+
+def test_histc_with_a_static_range_is_compiled(s4):
+    """torch.histc has no XLA lowering; with min and max given it is a static-shape
+    count (Mixtral's default experts path uses it), equal to torch's."""
+    @pw.program
+    def hist(x):
+        return torch.histc(x, bins=5, min=0.0, max=4.0)
+
+    x = torch.tensor([0.0, 0.5, 1.0, 3.99, 4.0, 4.5, -1.0, 2.0])
+    assert torch.equal(hist(pw.put(x, s4)).torch(), torch.histc(x, bins=5, min=0.0, max=4.0))
+
+    @pw.program
+    def hist_data_range(x):
+        return torch.histc(x, bins=5)
+
+    with pytest.raises(pw.DataDependentError, match="min= and max="):
+        hist_data_range(pw.put(x, s4))
+
+
+def test_an_internal_error_is_not_a_shape_error(s4):
+    """A user's wrong shape is a ShapeError; an error from inside torch that is not about
+    shapes says so and where to report it."""
+    @pw.program
+    def bad(x):
+        return torch.ops.aten._local_scalar_dense(x.sum()) * x
+
+    with pytest.raises(pw.DataDependentError):
+        bad(pw.put(torch.ones(4), s4))
+
+    @pw.program
+    def wrong_shape(x, w):
+        return x @ w
+
+    with pytest.raises(pw.ShapeError, match=r"float32\[4, 3\].*float32\[2, 2\]"):
+        wrong_shape(pw.put(torch.ones(4, 3), s4), pw.put(torch.ones(2, 2), s4))
