@@ -383,12 +383,16 @@ class Trainer:
             checkpoint_dir: Optional[str] = None, checkpoint_every: int = 100,
             max_restarts: int = 0, on_step: Optional[Callable[[int, float], Any]] = None,
             wait_timeout: float = 300.0, keep_checkpoints: Optional[int] = 2,
-            progress: bool = True, resume: bool = False) -> List[float]:
+            progress: bool = True, resume: bool = False) -> "elastic.FitResult":
         """Train on ``data`` for ``steps`` steps, checkpointing, and resume elastically
-        when a worker is lost; returns the loss of every step, as floats.
+        when a worker is lost; returns the losses of the steps run, as a ``FitResult``
+        (a list of floats with the run's metrics as attributes).
 
-        ``data`` gives the batch ``(inputs, targets)`` of each step (``i`` counts from 0
-        in this call):
+        ``data`` gives the batch of each step: a pair ``(inputs, targets)``, or a dict
+        (any Mapping, e.g. a Hugging Face batch) that is the inputs, labels included,
+        stepped as ``step(batch, None)`` (use ``loss_fn=None`` so the model's ``.loss``
+        is the loss). ``i`` counts from 0 (from the checkpoint's step with
+        ``resume=True``):
 
         - a callable ``data(i) -> (inputs, targets)`` (then ``steps`` is required);
         - a sequence (``len`` and ``data[i]``, e.g. a list of batches): ``steps``
@@ -420,7 +424,34 @@ class Trainer:
 
         ``on_step(i, loss)`` is called after step ``i`` (1-based) with its loss; steps are
         dispatched ahead, so it runs a step or two behind the dispatch, and after a
-        restart it sees the replayed steps again. Example::
+        restart it sees the replayed steps again.
+
+        Progress: a tqdm bar on stderr over the steps (its total is ``steps`` where
+        known), advanced as each step's loss is read back, shows the steps/s, the last
+        loss and the samples/s (dimension 0 of the first tensor of the inputs) and
+        tokens/s (the elements of ``input_ids`` in a dict batch, else of the first
+        integer 2-D tensor of the inputs), and ``restarts=`` after a lost worker, when
+        it goes back to the checkpoint's step for the replay. ``progress=False``, or
+        ``PATHWAYS_PROGRESS=0`` in the environment, turns it off.
+
+        ``resume=True`` (needs ``checkpoint_dir``) is for a restarted script: when
+        ``checkpoint_dir/latest.json`` exists, fit loads that checkpoint into this
+        Trainer (parameters, buffers, optimizer state, step counter, RNG position,
+        scheduler, and the learning rates from the sidecar) and goes on with the step
+        after it: a callable or a sequence is indexed from the checkpoint's step on
+        (``data(6)``, ``data(7)``, ... after the checkpoint of step 6), a plain iterable
+        has that many batches drawn and dropped first (give it the same batches in the
+        same order), ``on_step`` counts on (7, 8, ...) and ``steps`` is still the total
+        (``steps=10`` runs steps 7..10). Without ``latest.json`` fit starts from step 0.
+        The earlier run's checkpoints count towards ``keep_checkpoints``.
+
+        The returned ``FitResult`` is a list of the losses of the steps run in this call
+        (after ``resume=True``, those after the checkpoint only; steps replayed after a
+        lost worker appear once). Its attributes: ``steps`` (steps run, replays not
+        counted), ``time_s`` (the call's wall time, compiles, checkpoints and restarts
+        included), ``steps_per_s``, ``samples_per_s``, ``tokens_per_s`` (``None`` when
+        unknown), ``restarts`` and ``resumed_from`` (the checkpoint's step that
+        ``resume=True`` went on from, else ``None``). Example::
 
             trainer = pw.Trainer(model, opt, F.cross_entropy, slice=pw.slice((2,)))
             losses = trainer.fit(lambda i: batches[i % len(batches)], steps=1000,
