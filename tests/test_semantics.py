@@ -259,3 +259,26 @@ def test_an_internal_error_is_not_a_shape_error(s4):
 
     with pytest.raises(pw.ShapeError, match=r"float32\[4, 3\].*float32\[2, 2\]"):
         wrong_shape(pw.put(torch.ones(4, 3), s4), pw.put(torch.ones(2, 2), s4))
+
+
+# ---------------------------------------------------------------------- outputs
+
+def test_dataclass_and_nested_outputs_keep_their_structure(s4):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+        hidden: list
+        note: str = ""
+
+    @pw.program
+    def model_like(x):
+        return Output(x * 2, [x + 1, {"deep": x - 1}], note="static")
+
+    x = torch.arange(4.0)
+    out = model_like(pw.put(x, s4))
+    assert isinstance(out, Output) and out.note == "static"
+    assert torch.equal(out.logits.torch(), x * 2)
+    assert torch.equal(out.hidden[0].torch(), x + 1)
+    assert torch.equal(out.hidden[1]["deep"].torch(), x - 1)

@@ -227,7 +227,9 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
 
     def flat_fn(*tensors):
         args, kwargs = build_args(list(tensors))
-        leaves, tree = pytree.tree_flatten(fn(*args, **kwargs))
+        out = fn(*args, **kwargs)
+        _register_dataclasses(out)
+        leaves, tree = pytree.tree_flatten(out)
         info["tree"] = tree
         info["statics"] = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         return [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -253,6 +255,29 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
         raise TraceError(f"program '{name}' returns no tensor and updates none of its "
                          "inputs in place; return at least one tensor")
     return gm, info
+
+
+def _register_dataclasses(value, depth: int = 0) -> None:
+    """Dataclass outputs (a model's output type) become pytree nodes, so their tensors
+    are outputs of the program and the caller gets the same dataclass of Arrays."""
+    if depth > 8:
+        return
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        if cls not in pytree.SUPPORTED_NODES:
+            try:
+                pytree.register_dataclass(cls)
+            except (TypeError, ValueError):
+                return                     # not a plain dataclass: stays a static leaf
+        children = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    elif isinstance(value, (list, tuple)):
+        children = list(value)
+    elif isinstance(value, dict):
+        children = list(value.values())
+    else:
+        return
+    for c in children:
+        _register_dataclasses(c, depth + 1)
 
 
 def _lift_input_mutations(gm) -> List[int]:
