@@ -10,8 +10,7 @@ Tolerances: fp32 losses, parameters and buffers within 1e-5 (absolute and relati
 ``assert_close(rtol=1e-5, atol=1e-5)``; losses ~1.4 agree to ~1e-7 in practice, XLA's
 CPU kernels round a little differently); optimizer state too, or within 4x plain
 torch's own float32 error where that is larger (centered RMSprop); bf16 losses within 2e-2
-relative of torch's CPU autocast (they agree to ~3e-4). Six tests are strict xfails:
-library bugs, each described in its marker's reason. Runs on one module-scoped
+relative of torch's CPU autocast (they agree to ~3e-4). Runs on one module-scoped
 cluster (``cluster8``): a 2-device "data" slice for the SPMD strategies, two 1-device
 slices for the pipeline.
 """
@@ -280,15 +279,7 @@ def test_max_grad_norm_equals_clip_grad_norm(s2, pipe_slices, strat):
 
 # ---------------------------------------------------------------------- 4. accumulate
 
-ACCUMULATE_BUG = pytest.mark.xfail(
-    strict=True, raises=pw.PlacementError,
-    reason="accumulate>1: the micro-step program 'accumulate' is dispatched with "
-    "donate=(0, 2, 3) like the update, but writes neither parameters nor optimizer state "
-    "back, so donation destroys them and the next step (or save) raises PlacementError "
-    "'was donated to program accumulate_...'")
 
-
-@ACCUMULATE_BUG
 @pytest.mark.parametrize("strat", ["dp", "fsdp"])
 def test_accumulate_equals_one_step_on_the_concatenated_batch(s2, strat):
     k, updates = 3, 2
@@ -329,7 +320,6 @@ def test_accumulate_equals_one_step_on_the_concatenated_batch(s2, strat):
     assert opt.param_groups[0]["lr"] == pytest.approx(2e-2 * 0.5 ** updates)
 
 
-@ACCUMULATE_BUG
 def test_accumulate_with_clipping(s2):
     k = 2
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)
@@ -652,10 +642,6 @@ def test_checkpoint_resume_with_dropout_is_bit_identical(s2, tmp_path):
     assert len(set(first + rest)) == 4
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="Trainer.load restores the scheduler's state but not "
-                   "the optimizer's param_groups lr it wrote (fit restores them from its own "
-                   "sidecar, save/load do not): the resumed run steps with the initial lr")
 def test_checkpoint_resume_with_a_scheduler(s2, tmp_path):
     data = batches(4, seed=13)
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)
@@ -677,7 +663,6 @@ def test_checkpoint_resume_with_a_scheduler(s2, tmp_path):
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
 
 
-@ACCUMULATE_BUG
 def test_checkpoint_in_the_middle_of_an_accumulation(s2, tmp_path):
     micro = batches(4, batch=4, seed=14)
     make_opt = lambda ps: torch.optim.Adam(ps, lr=1e-2)
@@ -718,13 +703,6 @@ class Checkpointed(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="activation checkpointing: the backward recomputes "
-                   "the checkpointed blocks with the module's own (initial) parameters, "
-                   "baked into the program as constants, instead of the trained ones: "
-                   "programs.gradients() runs autograd.grad after functional_call has "
-                   "restored the module, so losses from step 3 on differ from torch "
-                   "(4e-4 relative at step 4)")
 def test_activation_checkpointing_equals_torch(s2):
     torch.manual_seed(0)
     model, data = Checkpointed(), batches(4, seed=15)

@@ -22,7 +22,7 @@ def multi_island_step(trainer, inputs, targets, lrs, hyper) -> Array:
                                                        trainer.options, flat=True))
     shapes = {n: tuple(a.shape) for n, a in trainer.replicas[0].items()}
     apply_prog = trainer._program("apply_flat", make_apply_fn(
-        trainer.opt, trainer._groups, trainer.options, shapes), donate=(0, 1))
+        trainer.opt, trainer._groups, trainer.options, shapes))
     mean_prog = trainer._program("mean", lambda ls: torch.stack(ls).mean())
     with graph():
         grads, losses = [], []

@@ -17,7 +17,8 @@ from ..client.graph import graph
 from ..errors import PathwaysError
 from ..parallel.strategies import Pipeline
 from .batches import _place_batch, _split
-from .programs import (clip_coef, grad_square_sum, loss_of, make_apply_fn, mode)
+from .programs import (clip_coef, grad_square_sum, loss_of, make_apply_fn, mode,
+                       reparametrized)
 
 
 def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
@@ -37,7 +38,7 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
     last_bwd = trainer._program("last_bwd", _make_last_bwd(stages[-1][0], trainer.loss_fn, m,
                                                            last == 0))
     apply_prog = trainer._program("apply", make_apply_fn(trainer.opt, trainer._groups,
-                                                         trainer.options), donate=(0, 1))
+                                                         trainer.options))
     mean_prog = trainer._program("mean", lambda ls: torch.stack(ls).sum() / len(ls))
     with graph():
         # GPipe: all forwards, microbatch by microbatch through the stages ...
@@ -108,6 +109,11 @@ def _stage_call(mod, params, fixed, x):
     # A stage is model[a:b]: its parameter names are the full model's ("3.weight"), and
     # a slice of an nn.Sequential keeps the children's names, so they line up.
     return torch.func.functional_call(mod, {**params, **fixed}, (x,))
+
+
+def _stage(mod, params, fixed):
+    """The stage reparametrized for a forward and its backward (see programs.py)."""
+    return reparametrized(mod, {**params, **fixed})
 
 
 class _Stash:
@@ -185,10 +191,11 @@ def _make_stage_bwd(mod, first: bool):
             x = x.requires_grad_()
         # the forward program updated the buffers already (BatchNorm): not twice
         fixed = {n: t.clone() for n, t in fixed.items()}
-        with _Stash(x, params, saved).hooks(), mode(mod, True):
-            y = _stage_call(mod, params, fixed, x)
         wrt = leaves if first else [x] + leaves
-        grads = torch.autograd.grad(y, wrt, grad_outputs=gy)
+        with mode(mod, True), _stage(mod, params, fixed):
+            with _Stash(x, params, saved).hooks():
+                y = mod(x)
+            grads = torch.autograd.grad(y, wrt, grad_outputs=gy)
         gx = torch.zeros((), dtype=y.dtype) if first else grads[0]
         return gx, _accumulate(acc, names, grads if first else grads[1:])
     return stage_bwd
@@ -201,10 +208,10 @@ def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool):
         leaves = [params[n].requires_grad_() for n in names]
         if not first:
             x = x.requires_grad_()
-        with mode(mod, True):
-            loss = loss_of(_stage_call(mod, params, fixed, x), targets, loss_fn)
         wrt = leaves if first else [x] + leaves
-        grads = torch.autograd.grad(loss / microbatches, wrt)
+        with mode(mod, True), _stage(mod, params, fixed):
+            loss = loss_of(mod(x), targets, loss_fn)
+            grads = torch.autograd.grad(loss / microbatches, wrt)
         gx = torch.zeros((), dtype=loss.dtype) if first else grads[0]
         return gx, _accumulate(acc, names, grads if first else grads[1:]), loss.detach()
     return last_bwd

@@ -19,8 +19,8 @@ follow torch's semantics on purpose:
 
 Example::
 
-    fn = make_step_fn(model, loss_fn, spec, names, options)
-    loss, created = pw.program(fn)(params, fixed, states, lrs, inputs, targets, hyper)
+    fn = make_step_fn(model, loss_fn, spec, groups, options)
+    loss, created = pw.program(fn)(params, fixed, states, acc, lrs, inputs, targets, hyper)
 """
 
 from __future__ import annotations
@@ -56,14 +56,23 @@ class Options:
 
 # ---------------------------------------------------------------------- the model call
 
-def call_model(model: torch.nn.Module, tensors: Dict[str, torch.Tensor], inputs: Any):
-    """``model(inputs)`` with its parameters and buffers replaced by ``tensors``:
-    a dict is passed as keyword arguments, a tuple or list as positional ones."""
+def reparametrized(model: torch.nn.Module, tensors: Dict[str, torch.Tensor]):
+    """The module with its parameters and buffers replaced by ``tensors`` (tied weights
+    stay tied) for the duration of the block. The backward must run inside it too:
+    ``torch.utils.checkpoint`` recomputes the forward during the backward, with
+    whatever parameters the module holds then."""
+    from torch.nn.utils.stateless import _reparametrize_module
+    return _reparametrize_module(model, tensors, tie_weights=True)
+
+
+def call_model(model: torch.nn.Module, inputs: Any):
+    """``model(inputs)``: a dict is passed as keyword arguments, a tuple or list as
+    positional ones, anything else as the one argument."""
     if isinstance(inputs, Mapping):
-        return torch.func.functional_call(model, tensors, (), dict(inputs))
+        return model(**inputs)
     if isinstance(inputs, (tuple, list)):
-        return torch.func.functional_call(model, tensors, tuple(inputs))
-    return torch.func.functional_call(model, tensors, (inputs,))
+        return model(*inputs)
+    return model(inputs)
 
 
 def loss_of(out: Any, targets: Any, loss_fn: Optional[Callable]) -> torch.Tensor:
@@ -102,9 +111,10 @@ def autocast(options: Options):
     return contextlib.nullcontext()
 
 
-def forward_loss(model, loss_fn, options: Options, params, fixed, inputs, targets):
+def forward_loss(model, loss_fn, options: Options, inputs, targets):
+    """The loss of a reparametrized model (see ``reparametrized``)."""
     with autocast(options):
-        loss = loss_of(call_model(model, {**params, **fixed}, inputs), targets, loss_fn)
+        loss = loss_of(call_model(model, inputs), targets, loss_fn)
     return loss.float() if loss.dtype != torch.float32 else loss
 
 
@@ -159,8 +169,8 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
 
     def train_step(params, fixed, states, acc, lrs, inputs, targets, hyper):
         _requires_grad(params)
-        with mode(model, True):
-            loss = forward_loss(model, loss_fn, options, params, fixed, inputs, targets)
+        with mode(model, True), reparametrized(model, {**params, **fixed}):
+            loss = forward_loss(model, loss_fn, options, inputs, targets)
             grads = gradients(loss, params)
         if k > 1:
             with torch.no_grad():
@@ -183,8 +193,8 @@ def make_grad_fn(model, loss_fn, options: Options, flat: bool = False):
     travels between islands as one transfer) and the loss."""
     def grads(params, fixed, inputs, targets):
         _requires_grad(params)
-        with mode(model, True):
-            loss = forward_loss(model, loss_fn, options, params, fixed, inputs, targets)
+        with mode(model, True), reparametrized(model, {**params, **fixed}):
+            loss = forward_loss(model, loss_fn, options, inputs, targets)
             gs = gradients(loss, params)
         gs = {n: (g if g is not None else torch.zeros_like(params[n])) for n, g in gs.items()}
         if flat:
@@ -248,8 +258,8 @@ def clip_coef(square_sums: List[torch.Tensor], max_norm: float) -> torch.Tensor:
 def make_eval_fn(model, loss_fn, options: Options):
     """The loss in eval mode: no dropout, BatchNorm's running statistics, no update."""
     def evaluate(params, fixed, inputs, targets):
-        with mode(model, False), torch.no_grad():
-            return forward_loss(model, loss_fn, options, params, fixed, inputs, targets)
+        with mode(model, False), torch.no_grad(), reparametrized(model, {**params, **fixed}):
+            return forward_loss(model, loss_fn, options, inputs, targets)
     return evaluate
 
 
@@ -257,6 +267,7 @@ def make_predict_fn(model, options: Options):
     """The model's outputs in eval mode (any pytree: tensors, tuples, dicts,
     Hugging Face ModelOutputs)."""
     def predict(params, fixed, inputs):
-        with mode(model, False), torch.no_grad(), autocast(options):
-            return call_model(model, {**params, **fixed}, inputs)
+        with mode(model, False), torch.no_grad(), autocast(options), \
+                reparametrized(model, {**params, **fixed}):
+            return call_model(model, inputs)
     return predict

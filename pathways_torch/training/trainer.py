@@ -220,9 +220,10 @@ class Trainer:
             s = self.slices[0]
             axis = getattr(self.parallelism, "batch_axis", None)
             key = "train_step" if k == 1 else ("accum_update" if last else "accumulate")
+            # (no donate_argnums: what a step updates in place it donates by itself, and
+            # what it does not update, a micro-step's parameters, must stay)
             prog = self._program(key, make_step_fn(self.model, self.loss_fn, self.opt,
-                                                   self._groups, self.options, last=last),
-                                 donate=(0, 2, 3))
+                                                   self._groups, self.options, last=last))
             loss, created = prog(self.replicas[0], self.fixed[0], self.states[0],
                                  self.acc[0], lrs, _place_batch(inputs, s, axis),
                                  _place_batch(targets, s, axis), hyper)
@@ -312,7 +313,7 @@ class Trainer:
 
         Each slice's executor writes the parameters, buffers and optimizer state it
         holds; only the metadata passes through the client. ``trainer.json`` beside them
-        holds the scheduler's state. Plain PyTorch reads the tensors::
+        holds the learning rates and the scheduler's state. Plain PyTorch reads the tensors::
 
             trainer.save("ckpt")
             sd = {"model": {n: torch.empty_like(p) for n, p in model.state_dict().items()},
@@ -330,6 +331,7 @@ class Trainer:
         arrays["rng"] = put(self._rng_tensor(), home(first), P())
         save_arrays(path, arrays)
         side = {"micro": self.micro,
+                "lrs": [float(g["lr"]) for g in self.optimizer.param_groups],
                 "scheduler": _jsonable(self.scheduler.state_dict())
                 if self.scheduler is not None else None}
         with open(os.path.join(path, "trainer.json"), "w") as f:
@@ -375,6 +377,8 @@ class Trainer:
                 if "rng" in got:
                     self._set_rng(got["rng"].torch())
         self.micro = int(side.get("micro", 0))
+        for g, lr in zip(self.optimizer.param_groups, side.get("lrs", ())):
+            g["lr"] = lr                      # what the scheduler had written
         if self.scheduler is not None and side.get("scheduler") is not None:
             self.scheduler.load_state_dict(side["scheduler"])
 
