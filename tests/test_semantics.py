@@ -282,3 +282,29 @@ def test_dataclass_and_nested_outputs_keep_their_structure(s4):
     assert torch.equal(out.logits.torch(), x * 2)
     assert torch.equal(out.hidden[0].torch(), x + 1)
     assert torch.equal(out.hidden[1]["deep"].torch(), x - 1)
+
+
+def test_dropout_inside_activation_checkpointing_is_refused(s4):
+    """torch recomputes a checkpointed block with the forward's RNG state; the program
+    would draw another mask and silently compute another network's gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=False)
+
+    m = Model()
+    tr = pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                    torch.nn.functional.mse_loss, slice=s4)
+    with pytest.raises(pw.TraceError, match="torch.utils.checkpoint draws random"):
+        tr.step(torch.randn(4, 4), torch.randn(4, 4))
+    m.block[1].p = 0.0                    # without dropout the block trains
+    tr = pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                    torch.nn.functional.mse_loss, slice=s4)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    want = torch.nn.functional.mse_loss(m(x), y).item()
+    assert float(tr.step(x, y)) == pytest.approx(want, abs=1e-6)

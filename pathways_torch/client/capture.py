@@ -47,7 +47,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import DataDependentError, PathwaysError, ShapeError, TraceError
-from . import lowerings
+from . import lowerings, remat
 
 _lock = threading.RLock()
 _device = None
@@ -236,13 +236,14 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
 
     table = {**_decompositions(), **lowerings.table()}
     try:
-        with _compiling(), _quiet("torch._subclasses.fake_tensor"):
+        with _compiling(), _quiet("torch._subclasses.fake_tensor"), remat.tagging():
             joint = make_fx(flat_fn, tracing_mode="fake", decomposition_table=table,
                             _allow_non_fake_inputs=True)(*fakes)
     except PathwaysError:
         raise
     except Exception as e:
         raise _user_error(name, sig, e) from e
+    remat.check_random(joint, name)
     try:
         gm = make_fx(torch.func.functionalize(joint, remove="mutations_and_views"),
                      tracing_mode="fake", decomposition_table=table,
