@@ -86,10 +86,12 @@ def loss_of(out: Any, targets: Any, loss_fn: Optional[Callable]) -> torch.Tensor
     if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
         loss = out
     if not isinstance(loss, torch.Tensor):
+        what = (f"a tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor)
+                else type(out).__name__)
         raise TraceError(
             "pw.Trainer(loss_fn=None) takes the loss from the model's output, which has "
-            f"none ({type(out).__name__}): put the labels in the inputs (Hugging Face: "
-            "labels=...) so the model returns .loss, or pass a loss_fn")
+            f"none ({what}): put the labels in the inputs (Hugging Face: labels=...) so "
+            "the model returns .loss, or pass a loss_fn")
     return loss
 
 
