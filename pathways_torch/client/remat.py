@@ -14,7 +14,8 @@ the step's planned memory equals the unchecked model's (31.1 MiB per device for 
 Linear(512) blocks at batch 2048, both ways). Passing each recomputed block's inputs and
 the backward's latest value through an optimization barrier, as
 ``torch_xla.utils.checkpoint`` does, keeps the recomputation but raised the plan to
-45.0 MiB on XLA's CPU scheduler, so it is not done (docs/architecture.md, Decision 14).
+45.0 MiB on XLA's CPU scheduler (43.0 MiB barriering only activations), so it is not
+done (docs/architecture.md, Decision 14).
 
 Example (inside capture)::
 
