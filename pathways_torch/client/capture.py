@@ -95,6 +95,12 @@ class Traced:
     #: Trailing outputs that only keep an input in the program (the caller drops them).
     extra: int = 0
 
+    def __post_init__(self) -> None:
+        # what each call looks up (derived once: calls are the dispatch hot path)
+        self.mutated_inputs = frozenset(k for k, _ in self.mutations)
+        self.written_by = {o: k for k, o in self.mutations}     # output -> input
+        self.kept_outputs = len(self.out_avals) - self.extra
+
 
 def _data_dependent(name: str, what: str) -> DataDependentError:
     return DataDependentError(
@@ -137,7 +143,7 @@ def _decompositions() -> Dict:
     them on the CPU): the graph then holds only ops that XLA lowers."""
     global _DECOMPS
     if _DECOMPS is None:
-        from torch._decomp import core_aten_decompositions
+        from torch._decomp import core_aten_decompositions, decomposition_table
         has = torch._C._dispatch_has_kernel_for_dispatch_key
         aten = torch.ops.aten
         # torch_xla's batch norm updates running_var with the biased batch variance
@@ -145,7 +151,6 @@ def _decompositions() -> Dict:
         wrong_on_xla = {aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
                         aten._native_batch_norm_legit_functional.default,
                         aten._native_batch_norm_legit.no_stats}
-        from torch._decomp import decomposition_table
         _DECOMPS = {op: f for op, f in core_aten_decompositions().items()
                     if isinstance(op, torch._ops.OpOverload)
                     and (not has(op.name(), "XLA") or op in wrong_on_xla)}

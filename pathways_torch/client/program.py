@@ -119,7 +119,7 @@ class Program:
             self._traces[key] = traced
             tracing.CLIENT.add("trace", self.name, t0, program=self.name)
 
-        mutated = dict(traced.mutations)           # input index -> output index
+        mutated = traced.mutated_inputs
         inputs, donate = [], []
         for k, i in enumerate(dyn_pos):
             leaf = leaves[i]
@@ -160,7 +160,7 @@ class Program:
         seq = conn.send(pb.Op(execute=pb.ExecuteOp(
             program_id=compiled.program_id, inputs=[a._id for a in inputs],
             outputs=out_ids, donate=donate)))
-        written = {o: k for k, o in traced.mutations}      # output index -> input index
+        written = traced.written_by
         for k in donate:
             if k not in mutated:
                 inputs[k]._donated = self.name
@@ -171,7 +171,7 @@ class Program:
             new = Array(slice_, bid, seq, shape, dtype, spec, origin, hlo)
             if o in written:
                 self._write_back(leaves[dyn_pos[written[o]]], new)
-            elif o < len(traced.out_avals) - traced.extra:
+            elif o < traced.kept_outputs:
                 arrays.append(new)          # (an extra output is dropped: released)
         arrays = iter(arrays)
         flat = [next(arrays) if s is TENSOR else s for s in traced.out_static]

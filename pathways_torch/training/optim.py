@@ -16,8 +16,9 @@ Example (what the step program does, on traced tensors)::
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -43,7 +44,7 @@ def describe(opt: torch.optim.Optimizer) -> Dict:
             f"pw.Trainer runs torch.optim's {', '.join(SUPPORTED[:-1])} and "
             f"{SUPPORTED[-1]}, not {cls.__module__}.{cls.__name__} (its update needs "
             "values read back in Python, or is not torch.optim's)")
-    params = inspect.signature(cls.__init__).parameters
+    params = _constructor_args(cls)
     groups = []
     for g in opt.param_groups:
         kw = {k: v for k, v in g.items()
@@ -57,6 +58,13 @@ def describe(opt: torch.optim.Optimizer) -> Dict:
             kw["capturable"] = True
         groups.append(tuple(sorted(kw.items())))
     return {"cls": cls, "kind": cls.__name__, "groups": tuple(groups)}
+
+
+@functools.lru_cache(maxsize=None)
+def _constructor_args(cls) -> frozenset:
+    # describe() runs every step (a scheduler may change hyperparameters); the
+    # signature of a class does not change
+    return frozenset(inspect.signature(cls.__init__).parameters)
 
 
 def _leaves(kw):
@@ -88,7 +96,7 @@ def initial_state(spec: Dict, group: int, params: List[torch.Tensor]) -> List[Di
     ps = [p.detach().clone().requires_grad_() for p in params]
     for p in ps:
         p.grad = torch.zeros_like(p)
-    opt = spec["cls"]([dict(params=ps, lr=1e-3, **dict(spec["groups"][group]))], lr=1e-3)
+    opt = _traced_copy(dict(spec, groups=(spec["groups"][group],)), [ps])
     init = opt._init_group
 
     def init_only(*args, **kwargs):
@@ -129,8 +137,8 @@ class _TensorScalars(TorchFunctionMode):
     ``add_``/``addcdiv_``/``addcmul_``, which take Python numbers only (a read of the
     value while tracing): fold the factor into a tensor operand instead."""
 
-    _FOLD_FIRST = {"add", "add_", "sub", "sub_"}
-    _FOLD_SECOND = {"addcdiv", "addcdiv_", "addcmul", "addcmul_"}
+    # add_(t, alpha=a) is add_(t * a); addcdiv_(t1, t2, value=v) is addcdiv_(t1 * v, t2)
+    _FOLD = {"add", "add_", "sub", "sub_", "addcdiv", "addcdiv_", "addcmul", "addcmul_"}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -139,9 +147,7 @@ class _TensorScalars(TorchFunctionMode):
             if isinstance(v, torch.Tensor):
                 kwargs = {k: x for k, x in kwargs.items() if k != key}
                 name = getattr(func, "__name__", "")
-                if name in self._FOLD_FIRST:
-                    return func(args[0], args[1] * v, *args[2:], **kwargs)
-                if name in self._FOLD_SECOND:
+                if name in self._FOLD:
                     return func(args[0], args[1] * v, *args[2:], **kwargs)
                 raise UnsupportedOptimizer(f"torch.optim called {name} with a tensor "
                                            f"{key}; pathways_torch cannot trace that")
@@ -152,7 +158,3 @@ def lr_tensors(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
     """Each group's current learning rate (what a scheduler wrote), as a 0-d input."""
     return [torch.tensor(float(g["lr"]), dtype=torch.float32) for g in opt.param_groups]
 
-
-def torch_state(st: Dict[str, torch.Tensor], device: Optional[torch.device] = None) -> Dict:
-    """A state dict as the (non-capturable) torch optimizer on the CPU keeps it."""
-    return {k: v.clone() for k, v in st.items()}

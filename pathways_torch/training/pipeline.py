@@ -105,14 +105,10 @@ def _split_stages(model: torch.nn.Module, pipe: Pipeline):
     return [(model[a:b], names[a:b]) for a, b in bounds]
 
 
-def _stage_call(mod, params, fixed, x):
-    # A stage is model[a:b]: its parameter names are the full model's ("3.weight"), and
-    # a slice of an nn.Sequential keeps the children's names, so they line up.
-    return torch.func.functional_call(mod, {**params, **fixed}, (x,))
-
-
 def _stage(mod, params, fixed):
     """The stage reparametrized for a forward and its backward (see programs.py)."""
+    # A stage is model[a:b]: its parameter names are the full model's ("3.weight"), and
+    # a slice of an nn.Sequential keeps the children's names, so they line up.
     return reparametrized(mod, {**params, **fixed})
 
 
@@ -171,8 +167,8 @@ def _make_stage_fwd(mod, first: bool):
         if not first:
             x = x.requires_grad_()
         stash = _Stash(x, params)
-        with stash.hooks(), mode(mod, True):
-            y = _stage_call(mod, params, fixed, x)
+        with stash.hooks(), mode(mod, True), _stage(mod, params, fixed):
+            y = mod(x)
         return y.detach(), [t.detach() for t in stash.recorded]
     return stage_fwd
 
@@ -240,7 +236,7 @@ def pipeline_eval(trainer, inputs, targets, outputs: bool = False):
 
 def _make_stage_eval(mod, loss_fn, with_loss: bool):
     def stage_eval(params, fixed, x, targets):
-        with mode(mod, False), torch.no_grad():
-            y = _stage_call(mod, params, fixed, x)
+        with mode(mod, False), torch.no_grad(), _stage(mod, params, fixed):
+            y = mod(x)
             return loss_of(y, targets, loss_fn) if with_loss else y
     return stage_eval

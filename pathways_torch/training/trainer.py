@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -181,14 +181,14 @@ class Trainer:
         """The trained parameters (of the first replica), as Arrays."""
         return self.replicas[0]
 
-    def _program(self, key: str, fn: Callable, donate: Tuple[int, ...] = ()) -> Program:
-        """A cached step program; ``donate``: arguments whose memory the outputs reuse
-        (inputs the program updates in place are donated anyway)."""
+    def _program(self, key: str, fn: Callable) -> Program:
+        """A cached program of this Trainer, drawing its random numbers from the
+        Trainer's seed stream. No ``donate_argnums``: what a program updates in place
+        (parameters, state, buffers) it donates by itself, and nothing else may go."""
         prog = self._programs.get(key)
         if prog is None:
             prog = self._programs[key] = Program(
-                fn, name=f"{key}_{type(self.model).__name__}", donate_argnums=donate,
-                seeds=self.seeds)
+                fn, name=f"{key}_{type(self.model).__name__}", seeds=self.seeds)
         return prog
 
     def _hyper(self):
@@ -220,8 +220,6 @@ class Trainer:
             s = self.slices[0]
             axis = getattr(self.parallelism, "batch_axis", None)
             key = "train_step" if k == 1 else ("accum_update" if last else "accumulate")
-            # (no donate_argnums: what a step updates in place it donates by itself, and
-            # what it does not update, a micro-step's parameters, must stay)
             prog = self._program(key, make_step_fn(self.model, self.loss_fn, self.opt,
                                                    self._groups, self.options, last=last))
             loss, created = prog(self.replicas[0], self.fixed[0], self.states[0],
