@@ -167,8 +167,9 @@ def env():
         e.b_stub = pbg.ExecutorStub(e.b_ch)
         e.b_addr, e.b_key = rep.executor_address, rep.slice_key
         # Another client's session: its id is foreign to slices A and B.
-        other = e.coord.OpenSession(pb.OpenSessionRequest(
-            name="fuzz-other", pid=os.getpid(), share=1.0))
+        e.other_up = threading.Event()
+        other = e.coord.OpenSession(_until(e.other_up, pb.SessionUp(
+            open=pb.OpenSessionRequest(name="fuzz-other", pid=os.getpid(), share=1.0))))
         e.other_id = next(other).client_id
         e.a_pid = e.a_stub.Stats(pb.StatsRequest(), timeout=30).pid
         e.b_pid = e.b_stub.Stats(pb.StatsRequest(), timeout=30).pid
@@ -187,6 +188,7 @@ def env():
         yield e
     finally:
         if other is not None:
+            e.other_up.set()
             other.cancel()
         for name in ("coord_ch", "worker_ch", "a_ch", "b_ch"):
             if hasattr(e, name):
@@ -215,6 +217,15 @@ def raw(channel, method: str, data: bytes, kind: str = "unary", timeout: float =
         return list(channel.unary_stream(method)(data, timeout=timeout, metadata=metadata))
     return list(channel.stream_stream(method)(iter([data]), timeout=timeout,
                                               metadata=metadata))
+
+
+def _until(event: threading.Event, first_message):
+    """A request stream: ``first_message``, then open (beats) until ``event`` is set."""
+    yield first_message
+    beat = 0
+    while not event.wait(1.0):
+        beat += 1
+        yield pb.SessionUp(beat=beat)
 
 
 def first(it):
@@ -338,7 +349,8 @@ def coordinator_message(draw, env):
         m = parsed(pb.RegisterWorkerRequest, base)
         for k, v in f.items():
             setattr(m, k, v)
-        return which, first(lambda: c.RegisterWorker(m, timeout=10)), {C.INVALID_ARGUMENT}
+        return which, first(lambda: c.RegisterWorker(iter([pb.WorkerUp(register=m)]),
+                                                     timeout=10)), {C.INVALID_ARGUMENT}
     if which == "session":
         f = dict(name=draw(text), pid=draw(st.integers(0, 10**6)), share=1.0)
         flaw = draw(st.sampled_from(["share", "name", "pid"]))
@@ -347,7 +359,8 @@ def coordinator_message(draw, env):
         m = parsed(pb.OpenSessionRequest, base)
         for k, v in f.items():
             setattr(m, k, v)
-        return which, first(lambda: c.OpenSession(m, timeout=10)), {C.INVALID_ARGUMENT}
+        return which, first(lambda: c.OpenSession(iter([pb.SessionUp(open=m)]),
+                                                  timeout=10)), {C.INVALID_ARGUMENT}
     if which == "allocate":
         if draw(st.booleans()):         # an unknown client (valid request otherwise)
             m = pb.AllocateSliceRequest(client_id=draw(text), mesh_shape=[1],
@@ -400,7 +413,7 @@ def _bad_profile(draw) -> pb.ProfileRequest:
     return m
 
 
-COORD_METHODS = [("RegisterWorker", "stream"), ("OpenSession", "stream"),
+COORD_METHODS = [("RegisterWorker", "bidi"), ("OpenSession", "bidi"),
                  ("ListDevices", "unary"), ("AllocateSlice", "unary"),
                  ("ReleaseSlice", "unary"), ("Schedule", "unary"), ("Profile", "unary")]
 WORKER_METHODS = ["StartExecutor", "StopExecutor", "ExecutorReady", "Profile"]
@@ -423,11 +436,13 @@ def test_coordinator_refuses_malformed_messages(env):
             target, call, codes = data.draw(coordinator_message(env))
             expect(f"coordinator {target}", call, codes)
         for method, kind in COORD_METHODS:             # bytes that do not decode
-            cls = getattr(pb, f"{method}Request", pb.ListDevicesRequest)
+            cls = {"RegisterWorker": pb.WorkerUp, "OpenSession": pb.SessionUp}.get(
+                method) or getattr(pb, f"{method}Request", pb.ListDevicesRequest)
             blob = undecodable(data.draw, cls)
+            # the coordinator (grpc.aio) decodes itself: it answers INVALID_ARGUMENT
             expect("coordinator (undecodable)",
                    lambda: raw(env.coord_ch, f"/pathways.Coordinator/{method}", blob, kind),
-                   UNDECODABLE)
+                   {C.INVALID_ARGUMENT})
 
     run()
     assert alive(env.coord_pid)

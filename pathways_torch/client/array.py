@@ -233,8 +233,6 @@ def wait(arrays: Iterable[Array], timeout: Optional[float] = None) -> None:
 
         pw.wait([y, z], timeout=30)
     """
-    import time
-    deadline = None if timeout is None else time.monotonic() + timeout
     groups: dict = {}
     for a in arrays:
         if not isinstance(a, Array):
@@ -244,6 +242,18 @@ def wait(arrays: Iterable[Array], timeout: Optional[float] = None) -> None:
                                             "what": a._what()})
         g["ids"].append(a._id)
         g["seq"] = max(g["seq"], seq_of(a._seq))
-    for g in groups.values():
-        left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        g["conn"].wait(g["ids"], g["seq"], g["what"], left)
+    if len(groups) == 1:
+        (g,) = groups.values()
+        g["conn"].wait(g["ids"], g["seq"], g["what"], timeout)
+        return
+    # Many slices: every slice's Wait goes out before any is awaited.
+    started = [(g, g["conn"].wait_start(g["ids"], g["seq"], timeout))
+               for g in groups.values()]
+    error = None
+    for g, st in started:
+        try:
+            g["conn"].wait_finish(st, g["what"])
+        except Exception as e:      # finish every call; raise the first failure
+            error = error or e
+    if error is not None:
+        raise error

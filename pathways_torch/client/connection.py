@@ -72,6 +72,7 @@ class ExecutorConnection:
         self._ids = itertools.count(1)
         self._barriers: dict = {}
         self._barrier_ids = itertools.count(1)
+        self._inflight: set = set()       # blocking calls mark_lost must cancel
         self._responses = self.stub.Dispatch(self._requests())
         self._reader = threading.Thread(target=self._read, name=f"pw-read-{where}",
                                         daemon=True)
@@ -169,6 +170,18 @@ class ExecutorConnection:
             for e in list(self._barriers.values()):
                 e.set()
 
+    def mark_lost(self, reason: str) -> None:
+        """The coordinator says the slice's host is lost (closed, or silent past its
+        read deadline): every pending and later call fails with WorkerLostError now,
+        instead of waiting for an executor that may never answer."""
+        if self.closed or self.broken:
+            return
+        self.broken = f"the executor of {self.where} is lost: {reason}"
+        for e in list(self._barriers.values()):
+            e.set()
+        for call in list(self._inflight):
+            call.cancel()
+
     def _check(self) -> None:
         if self.closed:
             raise ClusterShutdownError(
@@ -180,10 +193,17 @@ class ExecutorConnection:
     # ------------------------------------------------------------- blocking calls
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Block until every op sent so far has been processed by the executor."""
+        self.barrier_finish(self.barrier_start(), timeout)
+
+    def barrier_start(self) -> threading.Event:
+        """Send a barrier; ``barrier_finish`` waits for it (start many, then finish)."""
         token = next(self._barrier_ids)
         ev = threading.Event()
         self._barriers[token] = ev
         self.send(pb.Op(barrier=pb.BarrierOp(token=token)))
+        return ev
+
+    def barrier_finish(self, ev: threading.Event, timeout: Optional[float] = None) -> None:
         if not ev.wait(timeout or self.timeout):
             raise TimeoutError(f"the executor of {self.where} did not reach a barrier "
                                f"within {timeout or self.timeout} s")
@@ -203,9 +223,10 @@ class ExecutorConnection:
     def _fetch(self, buffer_id: int, after_seq: int, what: str, timeout: Optional[float]):
         self._check()
         t = timeout or self.timeout
+        chunks = self.stub.Fetch(pb.FetchRequest(buffer_id=buffer_id, after_seq=after_seq,
+                                                 timeout_s=t), timeout=t + 5)
+        self._inflight.add(chunks)
         try:
-            chunks = self.stub.Fetch(pb.FetchRequest(buffer_id=buffer_id, after_seq=after_seq,
-                                                     timeout_s=t), timeout=t + 5)
             meta, parts = None, []
             for c in chunks:
                 if c.has_error:
@@ -215,6 +236,8 @@ class ExecutorConnection:
                 parts.append(c.data)
         except grpc.RpcError as e:
             raise self._rpc_error(e, what, t) from None
+        finally:
+            self._inflight.discard(chunks)
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         return codec.from_bytes(data, meta.dtype, meta.shape)
 
@@ -229,18 +252,40 @@ class ExecutorConnection:
 
     def _wait(self, buffer_ids: List[int], after_seq: int, what: str,
               timeout: Optional[float]) -> None:
+        self.wait_finish(self.wait_start(buffer_ids, after_seq, timeout), what)
+
+    def wait_start(self, buffer_ids: List[int], after_seq: int,
+                   timeout: Optional[float] = None):
+        """Ask the executor to wait for the buffers, without blocking: ``pw.wait`` over
+        many slices starts every slice's Wait, then finishes them (one round trip in all,
+        not one per slice). Returns what ``wait_finish`` takes."""
         self._check()
         t = timeout or self.timeout
+        fut = self.stub.Wait.future(pb.WaitRequest(buffer_ids=buffer_ids,
+                                                   after_seq=after_seq, timeout_s=t),
+                                    timeout=t + 5)
+        self._inflight.add(fut)
+        return fut, t
+
+    def wait_finish(self, started, what: str) -> None:
+        fut, t = started
         try:
-            rep = self.stub.Wait(pb.WaitRequest(buffer_ids=buffer_ids, after_seq=after_seq,
-                                                timeout_s=t), timeout=t + 5)
+            rep = fut.result()
+        except grpc.FutureCancelledError:
+            self._check()
+            raise WorkerLostError(f"{what}: the wait on {self.where} was cancelled") \
+                from None
         except grpc.RpcError as e:
             raise self._rpc_error(e, what, t) from None
+        finally:
+            self._inflight.discard(fut)
         for failed, err in zip(rep.failed, rep.errors):
             if failed:
                 raise_buffer_error(err, what)
 
     def _rpc_error(self, e: grpc.RpcError, what: str, t: Optional[float] = None) -> Exception:
+        if self.broken and not self.closed:
+            return WorkerLostError(f"{what}: {self.broken}")
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             return TimeoutError(f"{what}: no answer from {self.where} within "
                                 f"{t or self.timeout} s")

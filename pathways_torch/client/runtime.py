@@ -14,6 +14,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from typing import List, Optional, Sequence, Union
 
 import grpc
@@ -32,6 +33,8 @@ from .rng import SeedStream
 
 
 _slice_uids = itertools.count(1)
+#: How long ``pw.init()`` waits for the coordinator to open a session.
+OPEN_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,10 @@ class _State:
         self._session = None
         self._session_thread = None
         self.profile = None             # the open pw.profile(), if any
+        self.heartbeat_s, self.lost_after_s = 1.0, 10.0
+        self._heard = 0.0
+        self._beats_stop = threading.Event()
+        self.coordinator_lost = ""
         self.seeds = None               # the session's SeedStream (pw.init(seed=))
 
     @property
@@ -151,27 +158,63 @@ class _State:
         try:
             self._channel = grpc_util.channel(address)
             self.stub = pbg.CoordinatorStub(self._channel)
-            self._session = self.stub.OpenSession(
-                pb.OpenSessionRequest(name=name, pid=os.getpid(), share=share))
-            first = next(self._session)
+            box: list = []
+            self._session = self.stub.OpenSession(self._session_up(
+                pb.OpenSessionRequest(name=name, pid=os.getpid(), share=share), box))
+            box.append(self._session)
+            first = grpc_util.first_event(self._session, OPEN_TIMEOUT_S,
+                                          f"the coordinator at {address} to open a session")
             self.client_id = first.client_id
+            self.heartbeat_s = first.heartbeat_s or self.heartbeat_s
+            self.lost_after_s = first.lost_after_s or self.lost_after_s
         except grpc.RpcError as e:
             self.shutdown()
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise PathwaysError(f"the coordinator at {address} refused this client: "
                                     f"{e.details()}") from None
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise ResourceExhaustedError(f"the coordinator at {address} refused a "
+                                             f"session: {e.details()}") from None
             raise PathwaysError(f"could not reach the coordinator at {address}: "
                                 f"{e.details()}") from None
+        self._heard = time.monotonic()
         self._session_thread = threading.Thread(target=self._hold_session,
                                                  name="pw-session", daemon=True)
         self._session_thread.start()
 
+    def _session_up(self, request: pb.OpenSessionRequest, box: list):
+        """The session's request stream: open, then a heartbeat per interval. A
+        coordinator silent past its read deadline ends the session (see lost_reason)."""
+        yield pb.SessionUp(open=request)
+        stop = self._beats_stop
+        beat = 0
+        while not stop.wait(self.heartbeat_s):
+            if not self.client_id:
+                continue
+            silent = time.monotonic() - self._heard
+            if silent > self.lost_after_s:
+                self.coordinator_lost = (f"the coordinator at {self.address} said nothing "
+                                         f"for {silent:.1f} s")
+                if box:
+                    box[0].cancel()
+                return
+            beat += 1
+            yield pb.SessionUp(beat=beat)
+
     def _hold_session(self) -> None:
         try:
-            for _ in self._session:
-                pass
+            for ev in self._session:
+                self._heard = time.monotonic()
+                if ev.lost_slices:
+                    self._slices_lost(set(ev.lost_slices), ev.lost_reason)
         except grpc.RpcError:
             pass
+
+    def _slices_lost(self, ids: set, reason: str) -> None:
+        with self.lock:
+            lost = [s for s in self.slices if s.id in ids]
+        for s in lost:
+            s._conn.mark_lost(reason)
 
     def require(self) -> "_State":
         if not self.initialized:
@@ -182,6 +225,9 @@ class _State:
 
     def schedule(self, slice_ids: Sequence[str]):
         """Island positions and slice sequence numbers for one gang submission."""
+        if self.coordinator_lost:
+            raise PathwaysError(f"{self.coordinator_lost}; the session is over: call "
+                                "pw.shutdown() and pw.init() again")
         try:
             rep = self.stub.Schedule(pb.ScheduleRequest(client_id=self.client_id,
                                                         slice_ids=list(slice_ids)),
@@ -237,6 +283,7 @@ class _State:
             slices, self.slices = self.slices, []
         for s in slices:
             s._conn.close()
+        self._beats_stop.set()
         if self._session is not None:
             self._session.cancel()
         if self._channel is not None:

@@ -1,15 +1,26 @@
 """The resource manager's bookkeeping: which physical device backs which virtual slice.
 
-Pure logic (no gRPC), so it is unit-tested on its own.
+Pure logic (no gRPC), so it is unit-tested on its own. Every operation costs O(log N) or
+less in the number of hosts N (issue 12): hosts are found by (island, host) in a dict,
+slices by host and by client in sets, and placement reads indexes instead of scanning:
+for each island (and for the whole cluster) one heap per count of free devices, keyed
+by (load, island, host). A host's entries go stale when it changes (a stamp), and stale
+entries are dropped when they reach the top, so a change costs one push per index.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
+import heapq
 import itertools
 import math
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+#: Hosts listed one by one in an error message; past it, a summary.
+_LIST_HOSTS = 8
 
 
 class AllocationError(Exception):
@@ -20,7 +31,7 @@ class AllocationError(Exception):
         self.code = code
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Host:
     worker_id: str
     island: int
@@ -32,6 +43,12 @@ class Host:
     lost: bool = False
     # device index -> the slices on it (more than one only when devices are shared)
     owner: Dict[int, List[str]] = dataclasses.field(default_factory=dict)
+    slices: Set[str] = dataclasses.field(default_factory=set)
+    n_free: int = 0         # devices no slice uses
+    n_load: int = 0         # (slice, device) pairs
+    #: Bumped on every change: index entries and cached replies with another stamp are
+    #: stale.
+    stamp: int = 0
 
     def free(self) -> List[int]:
         """Devices no slice uses."""
@@ -47,7 +64,7 @@ class Host:
         return sorted(ds, key=lambda d: (len(self.owner.get(d, ())), d))
 
     def load(self) -> int:
-        return sum(len(v) for v in self.owner.values())
+        return self.n_load
 
 
 @dataclasses.dataclass
@@ -63,6 +80,51 @@ class SliceRecord:
     executor_address: str = ""
 
 
+class _FreeIndex:
+    """Hosts by free-device count, least loaded first within a count (lazy heaps)."""
+
+    def __init__(self) -> None:
+        self._heaps: Dict[int, list] = collections.defaultdict(list)
+        self._sizes: collections.Counter = collections.Counter()   # live hosts' num_devices
+        self._tie = itertools.count()     # entries never compare Hosts
+
+    def push(self, h: Host) -> None:
+        heapq.heappush(self._heaps[h.n_free],
+                       (h.n_load, h.island, h.host, next(self._tie), h.stamp, h))
+
+    def best(self, size: int) -> Optional[Host]:
+        """The host with the most free devices (at least ``size``), then least load,
+        then lowest (island, host)."""
+        top = max(self._sizes) if self._sizes else 0
+        for free in range(top, size - 1, -1):
+            heap = self._heaps.get(free)
+            while heap:
+                *_, stamp, h = heap[0]
+                if stamp == h.stamp and not h.lost:
+                    return h
+                heapq.heappop(heap)
+        return None
+
+    def compact(self, live: int) -> None:
+        """Drop stale entries when they outnumber the live ones."""
+        total = sum(len(h) for h in self._heaps.values())
+        if total > 4 * live + 64:
+            for heap in self._heaps.values():
+                heap[:] = [e for e in heap if e[4] == e[5].stamp and not e[5].lost]
+                heapq.heapify(heap)
+
+    def add_size(self, n: int) -> None:
+        self._sizes[n] += 1
+
+    def drop_size(self, n: int) -> None:
+        self._sizes[n] -= 1
+        if self._sizes[n] <= 0:
+            del self._sizes[n]
+
+    def biggest(self) -> int:
+        return max(self._sizes) if self._sizes else 0
+
+
 class ResourceManager:
     """Maps a slice's virtual devices onto physical devices of one host.
 
@@ -74,7 +136,9 @@ class ResourceManager:
     ``per_device`` is how many slices may share one physical device (the paper's virtual
     devices; 1, the default, makes slices exclusive). Shared devices time-multiplex their
     slices' programs under the host's proportional-share arbiter; the least-used devices
-    are handed out first, so sharing starts only when no free device is left.
+    are handed out first, so sharing starts only when no free device is left. Placement
+    on shared devices scans the hosts (such clusters are small); exclusive placement
+    reads the indexes.
     """
 
     def __init__(self, per_device: int = 1) -> None:
@@ -85,43 +149,95 @@ class ResourceManager:
         self.hosts: Dict[str, Host] = {}
         self.slices: Dict[str, SliceRecord] = {}
         self._ids = itertools.count(1)
+        self._by_place: Dict[Tuple[int, int], str] = {}
+        self._order: List[Tuple[int, int, str]] = []      # (island, host, wid), sorted
+        self._of_client: Dict[str, Set[str]] = collections.defaultdict(set)
+        self._island_hosts: collections.Counter = collections.Counter()   # all, lost too
+        self._island_live: collections.Counter = collections.Counter()
+        self._index: Dict[Optional[int], _FreeIndex] = collections.defaultdict(_FreeIndex)
+        self.live_hosts = 0
 
+    # ------------------------------------------------------------------ hosts
     def add_host(self, island: int, host: int, num_devices: int, kind: str,
                  address: str, pid: int) -> Host:
         with self._lock:
-            for wid, h in list(self.hosts.items()):
-                if (h.island, h.host) == (island, host):
-                    if not h.lost:
-                        raise AllocationError(
-                            f"island {island} host {host} is already registered", "invalid")
-                    del self.hosts[wid]         # a replacement for a lost host
+            old = self._by_place.get((island, host))
+            if old is not None:
+                h = self.hosts[old]
+                if not h.lost:
+                    raise AllocationError(
+                        f"island {island} host {host} is already registered", "invalid")
+                self._forget_host(h)            # a replacement for a lost host
             wid = f"i{island}h{host}w{next(self._ids)}"
             h = Host(wid, island, host, num_devices, kind, address, pid)
             h.owner = {d: [] for d in range(num_devices)}
+            h.n_free = num_devices
             self.hosts[wid] = h
+            self._by_place[(island, host)] = wid
+            bisect.insort(self._order, (island, host, wid))
+            self._island_hosts[island] += 1
+            self._island_live[island] += 1
+            self.live_hosts += 1
+            for key in (island, None):
+                self._index[key].add_size(num_devices)
+            self._touch(h)
             return h
 
+    def _forget_host(self, h: Host) -> None:
+        del self.hosts[h.worker_id]
+        del self._by_place[(h.island, h.host)]
+        i = bisect.bisect_left(self._order, (h.island, h.host, h.worker_id))
+        del self._order[i]
+        self._island_hosts[h.island] -= 1
+
+    def _touch(self, h: Host) -> None:
+        """``h`` changed: new index entries (the old ones go stale)."""
+        h.stamp += 1
+        if not h.lost:
+            for key in (h.island, None):
+                self._index[key].push(h)
+
+    def mark_lost(self, worker_id: str) -> List[SliceRecord]:
+        """The worker is gone: its devices show as lost and its slices are dropped."""
+        with self._lock:
+            h = self.hosts.get(worker_id)
+            if h is None or h.lost:
+                return []
+            h.lost = True
+            gone = [self.slices.pop(sid) for sid in sorted(h.slices)]
+            for r in gone:
+                self._of_client[r.client_id].discard(r.slice_id)
+            h.slices.clear()
+            h.owner = {d: [] for d in range(h.num_devices)}
+            h.n_free, h.n_load = h.num_devices, 0
+            self._island_live[h.island] -= 1
+            self.live_hosts -= 1
+            for key in (h.island, None):
+                self._index[key].drop_size(h.num_devices)
+            self._touch(h)
+            return gone
+
+    # ------------------------------------------------------------------ slices
     def reserve(self, client_id: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
                 island: Optional[int]) -> SliceRecord:
         size = math.prod(mesh_shape)
         if size < 1 or any(int(s) < 1 for s in mesh_shape):
             raise AllocationError(f"mesh shape {tuple(mesh_shape)} must be positive", "invalid")
         with self._lock:
-            hosts = [h for h in self.hosts.values() if not h.lost]
             if island is not None:
-                if island not in {h.island for h in self.hosts.values()}:
-                    islands = sorted({h.island for h in self.hosts.values()})
+                if not self._island_hosts.get(island):
+                    islands = sorted(i for i, n in self._island_hosts.items() if n)
                     raise AllocationError(
                         f"island {island} does not exist; islands are {islands}", "invalid")
-                hosts = [h for h in hosts if h.island == island]
-                if not hosts:
+                if not self._island_live.get(island):
                     raise AllocationError(
                         f"every host of island {island} is lost (its worker died or cannot "
                         "reach the coordinator); use another island, or restart the worker "
                         "and it registers again", "exhausted")
-            if not hosts:
+            if not self.live_hosts:
                 raise AllocationError("no worker has registered yet", "exhausted")
-            biggest = max(h.num_devices for h in hosts)
+            index = self._index[island]
+            biggest = index.biggest()
             if size > biggest:
                 raise AllocationError(
                     f"a slice of mesh shape {tuple(mesh_shape)} needs {size} devices, but a "
@@ -129,67 +245,97 @@ class ResourceManager:
                     f"at most {biggest} devices (or start hosts with more devices)",
                     "exhausted")
             cap = self.per_device
-            fitting = [h for h in hosts if len(h.available(cap)) >= size]
-            if not fitting:
+            h = index.best(size) if cap == 1 else self._scan(size, island)
+            if h is None:
                 shared = f" (each shared by up to {cap} slices)" if cap > 1 else ""
                 raise AllocationError(
                     f"a slice of mesh shape {tuple(mesh_shape)} needs {size} free devices"
-                    f"{shared} on one host; free now: {self._free_text(hosts)}. Release a "
+                    f"{shared} on one host; free now: {self._free_text(island)}. Release a "
                     f"slice (slice.release()) or ask for fewer devices", "exhausted")
-            # Least-loaded first: most free devices, fewest slices, lowest (island, host).
-            h = sorted(fitting, key=lambda h: (-len(h.free()), h.load(), h.island,
-                                               h.host))[0]
             devices = tuple(sorted(h.available(cap)[:size]))
             sid = f"s{next(self._ids)}"
             for d in devices:
+                if not h.owner[d]:
+                    h.n_free -= 1
                 h.owner[d].append(sid)
+            h.n_load += len(devices)
+            h.slices.add(sid)
             rec = SliceRecord(sid, client_id, h.island, h.host, devices, tuple(mesh_shape),
                               tuple(axis_names), h.worker_id)
             self.slices[sid] = rec
+            self._of_client[client_id].add(sid)
+            self._touch(h)
+            index.compact(self.live_hosts)
             return rec
+
+    def _scan(self, size: int, island: Optional[int]) -> Optional[Host]:
+        """Shared devices: the least-loaded host with ``size`` devices that have room."""
+        cap = self.per_device
+        fitting = [h for h in self.hosts.values() if not h.lost
+                   and (island is None or h.island == island)
+                   and len(h.available(cap)) >= size]
+        if not fitting:
+            return None
+        return min(fitting, key=lambda h: (-h.n_free, h.n_load, h.island, h.host))
 
     def release(self, slice_id: str) -> Optional[SliceRecord]:
         with self._lock:
             rec = self.slices.pop(slice_id, None)
             if rec is None:
                 return None
+            self._of_client[rec.client_id].discard(slice_id)
+            if not self._of_client[rec.client_id]:
+                del self._of_client[rec.client_id]
             h = self.hosts.get(rec.worker_id)
             if h is not None:
                 for d in rec.devices:
                     if slice_id in h.owner.get(d, ()):
                         h.owner[d].remove(slice_id)
+                        h.n_load -= 1
+                        if not h.owner[d]:
+                            h.n_free += 1
+                h.slices.discard(slice_id)
+                self._touch(h)
             return rec
-
-    def mark_lost(self, worker_id: str) -> List[SliceRecord]:
-        """The worker is gone: its devices show as lost and its slices are dropped."""
-        with self._lock:
-            h = self.hosts.get(worker_id)
-            if h is None:
-                return []
-            h.lost = True
-            gone = [r for r in self.slices.values() if r.worker_id == worker_id]
-            for r in gone:
-                del self.slices[r.slice_id]
-            h.owner = {d: [] for d in range(h.num_devices)}
-            return gone
 
     def slices_of(self, client_id: str) -> List[SliceRecord]:
         with self._lock:
-            return [s for s in self.slices.values() if s.client_id == client_id]
+            return [self.slices[s] for s in sorted(self._of_client.get(client_id, ()))]
 
-    def device_table(self) -> List[dict]:
+    # ------------------------------------------------------------------ listing
+    def hosts_in_order(self, island: Optional[int] = None) -> List[Host]:
+        """Hosts by (island, host); with ``island``, that island's only."""
         with self._lock:
-            rows = []
-            for h in sorted(self.hosts.values(), key=lambda h: (h.island, h.host)):
-                for d in range(h.num_devices):
-                    sids = h.owner.get(d, [])
-                    state = "lost" if h.lost else ("in_use" if sids else "free")
-                    rows.append(dict(island=h.island, host=h.host, index=d, kind=h.kind,
-                                     state=state, slice_id=",".join(sids)))
-            return rows
+            if island is None:
+                return [self.hosts[w] for _, _, w in self._order]
+            lo = bisect.bisect_left(self._order, (island,))
+            hi = bisect.bisect_left(self._order, (island + 1,))
+            return [self.hosts[w] for _, _, w in self._order[lo:hi]]
 
-    @staticmethod
-    def _free_text(hosts: Sequence[Host]) -> str:
-        return ", ".join(
-            f"island {h.island} host {h.host}: {len(h.free())} of {h.num_devices}"
-            for h in sorted(hosts, key=lambda h: (h.island, h.host)))
+    def device_table(self, island: Optional[int] = None) -> List[dict]:
+        rows = []
+        for h in self.hosts_in_order(island):
+            rows.extend(host_rows(h))
+        return rows
+
+    def _free_text(self, island: Optional[int]) -> str:
+        hosts = [self.hosts[w] for i, _, w in self._order
+                 if island is None or i == island]
+        live = [h for h in hosts if not h.lost]
+        if len(live) <= _LIST_HOSTS:
+            return ", ".join(f"island {h.island} host {h.host}: {len(h.free())} of "
+                             f"{h.num_devices}" for h in live)
+        counts = collections.Counter(len(h.available(self.per_device)) for h in live)
+        return f"{len(live)} hosts; " + ", ".join(
+            f"{n} with {free} free" for free, n in sorted(counts.items(), reverse=True))
+
+
+def host_rows(h: Host) -> List[dict]:
+    """The rows of ``pw.devices()`` for one host."""
+    rows = []
+    for d in range(h.num_devices):
+        sids = h.owner.get(d, [])
+        state = "lost" if h.lost else ("in_use" if sids else "free")
+        rows.append(dict(island=h.island, host=h.host, index=d, kind=h.kind,
+                         state=state, slice_id=",".join(sids)))
+    return rows

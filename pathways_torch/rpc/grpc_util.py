@@ -221,12 +221,12 @@ class _CheckToken(grpc.ServerInterceptor):
 class _ExplainedError(grpc.RpcError):
     """A failed call's error with a message that says what to check."""
 
-    def __init__(self, err: grpc.RpcError, details: str) -> None:
+    def __init__(self, err: grpc.RpcError, details: str, code=None) -> None:
         super().__init__(details)
-        self._err, self._details = err, details
+        self._err, self._details, self._code = err, details, code
 
     def code(self):
-        return self._err.code()
+        return self._code or self._err.code()
 
     def details(self) -> str:
         return self._details
@@ -265,12 +265,12 @@ class _ExplainedStream:
         return getattr(self._call, name)
 
 
-class _ExplainRefusal(grpc.UnaryStreamClientInterceptor):
+class _ExplainRefusal(grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClientInterceptor):
     """Turn a failed TLS handshake into an error that says so.
 
     A first contact (a client's ``OpenSession``, a worker's ``RegisterWorker``) is a
-    server-streaming call; when its connection fails, gRPC only says "Socket closed" or
-    quotes an OpenSSL code. Only that call type is intercepted, so others cost nothing.
+    streaming call; when its connection fails, gRPC only says "Socket closed" or quotes
+    an OpenSSL code. Only streaming calls are intercepted, so unary ones cost nothing.
     """
 
     def __init__(self, address: str, tls_on: bool) -> None:
@@ -311,6 +311,10 @@ class _ExplainRefusal(grpc.UnaryStreamClientInterceptor):
     def intercept_unary_stream(self, continuation, client_call_details, request):
         return _ExplainedStream(continuation(client_call_details, request), self._explain)
 
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return _ExplainedStream(continuation(client_call_details, request_iterator),
+                                self._explain)
+
 
 def channel(address: str) -> grpc.Channel:
     """A channel to ``address`` with this process's TLS settings and token."""
@@ -336,6 +340,93 @@ def server(max_workers: int = 16) -> grpc.Server:
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                        options=SERVER_OPTIONS,
                        interceptors=[_CheckToken(t)] if t else None)
+
+
+class _AioCheckToken(grpc.aio.ServerInterceptor):
+    """``_CheckToken`` for asyncio servers (the coordinator)."""
+
+    def __init__(self, value: str) -> None:
+        self._want = value.encode()
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong cluster token: pass the cluster's token "
+                                f"with pw.init(token=...), --token or {TOKEN_ENV}")
+        self._deny = deny
+
+    async def intercept_service(self, continuation, details):
+        got = dict(details.invocation_metadata or ()).get(TOKEN_KEY, "")
+        if hmac.compare_digest(got.encode(), self._want):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(self._deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(self._deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(self._deny)
+        return grpc.unary_unary_rpc_method_handler(self._deny)
+
+
+def aio_server(max_concurrent_rpcs: Optional[int] = None) -> "grpc.aio.Server":
+    """An asyncio server: streams hold no thread, so thousands cost little.
+
+    ``max_concurrent_rpcs`` bounds the calls in flight (streams included); past it gRPC
+    answers RESOURCE_EXHAUSTED at once instead of queueing.
+    """
+    t = token()
+    return grpc.aio.server(options=SERVER_OPTIONS,
+                           interceptors=[_AioCheckToken(t)] if t else None,
+                           maximum_concurrent_rpcs=max_concurrent_rpcs)
+
+
+def aio_channel(address: str) -> "grpc.aio.Channel":
+    """An asyncio channel with this process's TLS settings; calls on it must pass
+    ``metadata=call_metadata()`` (the token) themselves."""
+    cfg = tls()
+    if cfg is None:
+        return grpc.aio.insecure_channel(address, options=OPTIONS)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read(cfg.ca) if cfg.ca else None,
+        private_key=_read(cfg.key) if cfg.key else None,
+        certificate_chain=_read(cfg.cert) if cfg.cert else None)
+    options = OPTIONS
+    if cfg.server_name:
+        options = OPTIONS + [("grpc.ssl_target_name_override", cfg.server_name)]
+    return grpc.aio.secure_channel(address, creds, options=options)
+
+
+def call_metadata() -> Optional[tuple]:
+    """The metadata every call must carry (the cluster token), or None."""
+    t = token()
+    return ((TOKEN_KEY, t),) if t else None
+
+
+def first_event(call, timeout: float, what: str):
+    """The first message of a server-streaming ``call``, or cancel it after ``timeout``
+    seconds; raises ``grpc.RpcError`` (DEADLINE_EXCEEDED, details naming ``what``)."""
+    import threading
+    got = threading.Event()
+
+    def expire() -> None:
+        if not got.is_set():
+            call.cancel()
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        return next(call)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.CANCELLED and not got.is_set():
+            raise _ExplainedError(e, f"no answer within {timeout:g} s while waiting for "
+                                  f"{what}", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        raise
+    finally:
+        got.set()
+        timer.cancel()
 
 
 def add_port(srv: grpc.Server, address: str) -> int:

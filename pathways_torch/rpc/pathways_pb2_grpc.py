@@ -34,14 +34,14 @@ class CoordinatorStub(object):
         Args:
             channel: A grpc.Channel.
         """
-        self.RegisterWorker = channel.unary_stream(
+        self.RegisterWorker = channel.stream_stream(
                 '/pathways.Coordinator/RegisterWorker',
-                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.RegisterWorkerRequest.SerializeToString,
+                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.WorkerUp.SerializeToString,
                 response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.WorkerEvent.FromString,
                 _registered_method=True)
-        self.OpenSession = channel.unary_stream(
+        self.OpenSession = channel.stream_stream(
                 '/pathways.Coordinator/OpenSession',
-                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.OpenSessionRequest.SerializeToString,
+                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.SessionUp.SerializeToString,
                 response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.SessionEvent.FromString,
                 _registered_method=True)
         self.ListDevices = channel.unary_unary(
@@ -74,15 +74,16 @@ class CoordinatorStub(object):
 class CoordinatorServicer(object):
     """Missing associated documentation comment in .proto file."""
 
-    def RegisterWorker(self, request, context):
+    def RegisterWorker(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def OpenSession(self, request, context):
+    def OpenSession(self, request_iterator, context):
         """A client's session: the stream stays open while the client lives; when it closes,
-        the coordinator frees every slice the client held.
+        or the client stays silent past the read deadline and the grace period, the
+        coordinator frees every slice the client held.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -123,14 +124,14 @@ class CoordinatorServicer(object):
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'RegisterWorker': grpc.unary_stream_rpc_method_handler(
+            'RegisterWorker': grpc.stream_stream_rpc_method_handler(
                     servicer.RegisterWorker,
-                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.RegisterWorkerRequest.FromString,
+                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.WorkerUp.FromString,
                     response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.WorkerEvent.SerializeToString,
             ),
-            'OpenSession': grpc.unary_stream_rpc_method_handler(
+            'OpenSession': grpc.stream_stream_rpc_method_handler(
                     servicer.OpenSession,
-                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.OpenSessionRequest.FromString,
+                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.SessionUp.FromString,
                     response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.SessionEvent.SerializeToString,
             ),
             'ListDevices': grpc.unary_unary_rpc_method_handler(
@@ -170,7 +171,7 @@ class Coordinator(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def RegisterWorker(request,
+    def RegisterWorker(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -180,11 +181,11 @@ class Coordinator(object):
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/pathways.Coordinator/RegisterWorker',
-            pathways__torch_dot_rpc_dot_pathways__pb2.RegisterWorkerRequest.SerializeToString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.WorkerUp.SerializeToString,
             pathways__torch_dot_rpc_dot_pathways__pb2.WorkerEvent.FromString,
             options,
             channel_credentials,
@@ -197,7 +198,7 @@ class Coordinator(object):
             _registered_method=True)
 
     @staticmethod
-    def OpenSession(request,
+    def OpenSession(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -207,11 +208,11 @@ class Coordinator(object):
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/pathways.Coordinator/OpenSession',
-            pathways__torch_dot_rpc_dot_pathways__pb2.OpenSessionRequest.SerializeToString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.SessionUp.SerializeToString,
             pathways__torch_dot_rpc_dot_pathways__pb2.SessionEvent.FromString,
             options,
             channel_credentials,

@@ -183,37 +183,77 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
 
 
 class _Session:
-    """The worker's registration: a stream to the coordinator that carries heartbeats.
+    """The worker's registration: a stream to the coordinator, with heartbeats both ways.
 
-    When the stream breaks (the coordinator restarted or is unreachable) the worker stops
-    its executors, whose slices the coordinator no longer knows, and registers again,
-    retrying until the coordinator is back.
+    The agent sends a beat every ``heartbeat_s`` (the coordinator's first event says how
+    often) and the coordinator answers each. When the stream breaks, or the coordinator
+    says nothing for ``lost_after_s`` (a hung machine, a dead switch: the connection
+    stays open), the worker stops its executors, whose slices the coordinator no longer
+    knows, and registers again: with the next of its coordinator addresses (a
+    comma-separated list), retrying until one answers.
     """
 
-    def __init__(self, address: str, req, service, timeout: float) -> None:
-        from ..rpc import grpc_util
-        from ..rpc import pathways_pb2_grpc as pbg
-        self.stub = pbg.CoordinatorStub(grpc_util.channel(address))
-        self.address, self.req, self.service = address, req, service
+    def __init__(self, addresses: str, req, service, timeout: float) -> None:
+        self.addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+        self._next = 0
+        self.address = self.addresses[0]
+        self.req, self.service = req, service
         self.timeout = timeout          # for the first registration; 0: forever
         self.events = None
+        self.heartbeat_s, self.lost_after_s = 1.0, 10.0
+        self._heard = time.monotonic()
+
+    def _beats(self, call_box: list):
+        """The request stream: the registration, then one beat per interval; it ends
+        the call when the coordinator has been silent past the read deadline."""
+        from ..rpc import pathways_pb2 as pb
+        yield pb.WorkerUp(register=self.req)
+        beat = 0
+        while True:
+            time.sleep(self.heartbeat_s)
+            if call_box and call_box[0].done():
+                return
+            silent = time.monotonic() - self._heard
+            if silent > self.lost_after_s:
+                log.warning("the coordinator at %s said nothing for %.1f s", self.address,
+                            silent)
+                if call_box:
+                    call_box[0].cancel()
+                return
+            beat += 1
+            yield pb.WorkerUp(beat=beat)
 
     def _register(self, deadline: Optional[float]) -> bool:
         import grpc
+        from ..rpc import grpc_util
+        from ..rpc import pathways_pb2_grpc as pbg
         while True:
+            self.address = self.addresses[self._next % len(self.addresses)]
+            channel = grpc_util.channel(self.address)
             try:
-                self.events = self.stub.RegisterWorker(self.req)
-                first = next(self.events)
+                box: list = []
+                self._heard = time.monotonic()
+                self.events = pbg.CoordinatorStub(channel).RegisterWorker(self._beats(box))
+                box.append(self.events)
+                first = grpc_util.first_event(self.events, max(self.lost_after_s, 10.0),
+                                              "the coordinator's registration reply")
+                self._heard = time.monotonic()
+                self.heartbeat_s = first.heartbeat_s or self.heartbeat_s
+                self.lost_after_s = first.lost_after_s or self.lost_after_s
                 log.info("registered as %s with %s", first.worker_id, self.address)
                 return True
             except grpc.RpcError as e:
+                channel.close()
                 retry = e.code() in (grpc.StatusCode.UNAVAILABLE,
-                                     grpc.StatusCode.ALREADY_EXISTS)
+                                     grpc.StatusCode.ALREADY_EXISTS,
+                                     grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     grpc.StatusCode.RESOURCE_EXHAUSTED)
                 if not retry or (deadline is not None and time.monotonic() > deadline):
                     print(f"worker island {self.req.island} host {self.req.host}: "
                           f"registration with {self.address} failed: {e.details()}",
                           file=sys.stderr, flush=True)
                     return False
+                self._next += 1
                 time.sleep(0.5)
 
     def first_registration(self) -> bool:
@@ -224,11 +264,12 @@ class _Session:
         while True:
             try:
                 for _ in self.events:
-                    pass
+                    self._heard = time.monotonic()
             except grpc.RpcError:
                 pass
             log.warning("lost the coordinator at %s; registering again", self.address)
             self.service.stop_all()
+            self._next += 1
             self._register(None)
 
 
@@ -242,7 +283,8 @@ def main(argv=None) -> None:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--coordinator", "--coordinator-address", dest="coordinator",
                     default=os.environ.get("PATHWAYS_COORDINATOR_ADDRESS", ""),
-                    help="coordinator address host:port")
+                    help="coordinator address host:port; a comma-separated list: when "
+                    "one is lost or goes silent, register with the next")
     ap.add_argument("--island", type=int, default=0)
     ap.add_argument("--host", "--node-rank", dest="host", type=int,
                     default=int(os.environ.get("NODE_RANK", 0)),
