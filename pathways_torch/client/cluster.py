@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -80,7 +80,8 @@ class LocalCluster:
     ``STABLE_S`` = 60 s before it died starts a new count); each restart is logged (logger
     ``pathways_torch.cluster``) and recorded in ``restarts``. The replacement registers
     for the same island and host, with fresh devices. ``stop()`` never races with a
-    restart: once it begins, nothing is started any more.
+    restart: once it begins, nothing is started any more. ``coordinator_args`` are extra
+    flags of the coordinator (``["--session-grace-s", "5"]``).
 
     Example::
 
@@ -95,7 +96,8 @@ class LocalCluster:
                  env: Optional[dict] = None, devices_shared_by: int = 1,
                  memory_budget: Optional[int] = None,
                  restart_workers: Optional[bool] = None, max_restarts: int = 3,
-                 restart_backoff: float = 0.5) -> None:
+                 restart_backoff: float = 0.5,
+                 coordinator_args: Sequence[str] = ()) -> None:
         if islands < 1 or hosts_per_island < 1 or devices_per_host < 1:
             raise ValueError("islands, hosts_per_island and devices_per_host must be >= 1")
         if max_restarts < 0 or restart_backoff < 0:
@@ -112,6 +114,7 @@ class LocalCluster:
         self.islands, self.hosts_per_island = islands, hosts_per_island
         self.devices_per_host = devices_per_host
         self.devices_shared_by = devices_shared_by
+        self.coordinator_args = list(coordinator_args)
         # Each worker's buffer budget: by default the workers split 80% of the memory
         # available now, so together they never ask the kernel for more than it has.
         self.memory_budget = memory_budget or default_budget(islands * hosts_per_island)
@@ -141,7 +144,8 @@ class LocalCluster:
 
     def _start(self, env: dict, timeout: float) -> None:
         coord = self._spawn(["pathways_torch.coordinator", "--port", "0",
-                             "--devices-shared-by", str(self.devices_shared_by)], env,
+                             "--devices-shared-by", str(self.devices_shared_by)]
+                            + self.coordinator_args, env,
                             "coordinator.log", stdout=subprocess.PIPE)
         line = coord.stdout.readline().decode()
         if not line.startswith("PATHWAYS_COORDINATOR_PORT="):
