@@ -28,6 +28,9 @@ BAR = {
     "pipeline": 0.8,
     "two_islands": 0.9,
 }
+# Issue 12, part 5 (bench/scale.py carries them too, with its verdicts).
+BARS_SCALE = {"register_s": 3.0, "idle_cpu_core": 0.10, "alloc_p50_ms": 3.0,
+              "silent_lost_s": 5.0, "wait_k64_over_k1": 3.0}
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -687,11 +690,193 @@ def faults(rep: Report) -> None:
             ]) + "\n")
 
 
+def scale(rep: Report) -> None:
+    rep.add("## Control plane at scale\n",
+            "Not a paper figure (issue 12): the paper drives 2,048 TPU cores over 512 hosts "
+            "from one client. Here the real coordinator process serves N fake hosts with 4 "
+            "devices each, in islands of 64, that speak the real protocol from one asyncio "
+            "process (`bench/fakehosts.py`: registration streams with heartbeats both ways, "
+            "a fake worker agent that starts executors at once, fake executors that answer "
+            "barriers and waits at once), on loopback; a fresh coordinator for each N. "
+            "The client figures come from a real pathways_torch client process against "
+            "those fake executors, so they are the client's and coordinator's own costs.\n")
+    res = rep.get("scale.py")
+    if res is None:
+        return
+    per = res.get("per_n") or {}
+    ns = sorted(per, key=int)
+
+    def g(d, *keys):
+        for k in keys:
+            if not isinstance(d, dict):
+                return None
+            d = d.get(k)
+        return None if isinstance(d, dict) and "error" in d else d
+
+    def failed(n):
+        errs = [f"{k}: {v['error'].splitlines()[0][:200]}" for k, v in per[n].items()
+                if isinstance(v, dict) and "error" in v]
+        if isinstance(per[n].get("error"), str):
+            errs.insert(0, per[n]["error"].splitlines()[0][:200])
+        return errs
+
+    rows = []
+    for n in ns:
+        d = per[n]
+        sched = [num(g(d, "schedule", m, "calls_per_s"), 0) for m in ("1", "8", "64")]
+        rows.append([f"{int(n):,}", num(g(d, "register_s"), 2),
+                     num(g(d, "idle", "cpu_core"), 3), num(g(d, "idle", "rss_mib"), 0),
+                     num(g(d, "idle", "threads"), 0),
+                     num(g(d, "list_devices", "p50_ms")),
+                     num(g(d, "client", "devices", "p50_ms")),
+                     f"{num(g(d, 'alloc', 'p50_ms'))} / {num(g(d, 'alloc', 'p90_ms'))}",
+                     " / ".join(sched),
+                     num(g(d, "notice", "closed", "max_s"), 3),
+                     num(g(d, "notice", "silent", "max_s"), 2)])
+    first = per[ns[0]] if ns else {}
+    rep.add(f"{len(ns)} cluster sizes, heartbeat every {res.get('heartbeat_s')} s, a host "
+            f"silent for {res.get('lost_after_s')} s is lost "
+            f"({source(res, 'scale.py')}). Idle: the coordinator's CPU (fraction of one "
+            f"core, from /proc) over {num(g(first, 'idle', 'window_s'), 0)} s with every host "
+            "beating and nothing else running, its RSS and threads. `ListDevices`: the whole "
+            "cluster from a sync stub; `pw.devices()`: from the client process. Allocation: "
+            "`AllocateSlice` of one device through an open session (the coordinator asks the "
+            "host's agent to start an executor), then `ReleaseSlice`. `Schedule`: gang "
+            "submissions touching 1 / 8 / 64 hosts (1-device slices on distinct hosts), calls "
+            "per second from one caller. Noticed: the slowest of the hosts closed (stream "
+            "cancelled) or silenced (no beats, connection open) at once until `ListDevices` "
+            "shows them lost.\n",
+            table(["hosts", "registered in (s)", "idle CPU (core)", "RSS (MiB)", "threads",
+                   "ListDevices p50 (ms)", "pw.devices() p50 (ms)",
+                   "allocation p50 / p90 (ms)", "Schedule calls/s, 1 / 8 / 64 hosts",
+                   "closed host lost in (s)", "silent host lost in (s)"], rows) + "\n")
+    big = per[ns[-1]] if ns else {}
+    if g(big, "register", "fakehosts_cpu_s") is not None:
+        rep.add(f"The harness shares the machine's cores with the coordinator: registering "
+                f"{int(ns[-1]):,} hosts cost the coordinator "
+                f"{num(g(big, 'register', 'coordinator_cpu_s'))} CPU-seconds and the fake "
+                f"hosts {num(g(big, 'register', 'fakehosts_cpu_s'))} (one connection per "
+                f"host), over {num(g(big, 'register_s'))} s; idle, the fake hosts took "
+                f"{num(g(big, 'idle', 'fakehosts_cpu_core'), 3)} core beside the "
+                f"coordinator's {num(g(big, 'idle', 'cpu_core'), 3)}, and heartbeats came "
+                f"back in {num(g(big, 'idle', 'beat_rtt_ms_p50'))} ms (p50), "
+                f"{num(g(big, 'idle', 'beat_rtt_ms_p99'))} ms (p99).\n")
+    crow = []
+    for n in ns:
+        c = per[n].get("client")
+        if not isinstance(c, dict) or "error" in c:
+            continue
+        for k in sorted((k for k in c if k.startswith("k") and k[1:].isdigit()),
+                        key=lambda k: int(k[1:])):
+            r = c[k]
+            if "error" in r:
+                crow.append([f"{int(n):,}", k[1:], "failed: " + r["error"][:120], "", "", "",
+                             ""])
+                continue
+            th = r.get("threads") or {}
+            crow.append([f"{int(n):,}", k[1:], num(r.get("wait_ms_p50")),
+                         num(r.get("barrier_ms_p50")),
+                         f"{th.get('os', '–')} ({th.get('python', '–')} Python)",
+                         num(r.get("graph_cpu_ms")), num(r.get("graph_wall_ms"))])
+    if crow:
+        before = g(first, "client", "threads_before") or {}
+        rep.add("The client over k single-device slices on k hosts (k ≤ N): `pw.wait` on one "
+                "Array per slice (p50), a barrier over all k (`Slice.stats()` on each, in "
+                "turn; p50), the client process's threads while it holds the k slices (it "
+                f"has {before.get('os', '–')} after `pw.init`), and its CPU "
+                "(`time.process_time()`, every thread) per `pw.graph()` of one put per slice, "
+                "averaged over the graphs.\n",
+                table(["hosts", "k slices", "pw.wait p50 (ms)", "barrier p50 (ms)",
+                       "client threads", "CPU per graph (ms)", "wall per graph (ms)"],
+                      crow) + "\n")
+    for n in ns:
+        errs = failed(n)
+        if errs:
+            rep.add(f"At {int(n):,} hosts, parts that failed: " + "; ".join(
+                f"`{e}`" for e in errs) + ".\n")
+    bars = res.get("bars") or {}
+    labels = {
+        "register_s_at_2048": ("Control plane: 2,048 hosts registered within (s)", "≤ {}"),
+        "idle_cpu_core": ("Control plane: idle coordinator CPU (core)", "≤ {}"),
+        "alloc_p50_ms": ("Control plane: allocation p50 (ms)", "≤ {}"),
+        "silent_lost_s": ("Control plane: silent host lost within (s)", "≤ {}"),
+        "wait_k64_over_k1": ("Client: pw.wait over 64 slices / over 1", "≤ {}"),
+    }
+    brow = []
+    for key, (label, fmt) in labels.items():
+        b = bars.get(key)
+        if not b:
+            continue
+        at = b.get("at_hosts")
+        where = (f" (at {at:,} hosts)" if isinstance(at, int) else f" ({at})" if at else "")
+        verdict = ("–" if b.get("met") is None else "met" if b["met"] else "**not met**")
+        value = ("not measured" if b.get("measured") is None else
+                 num(b["measured"], 3 if key == "idle_cpu_core" else None))
+        brow.append([label + where, value, fmt.format(b.get("bar")), verdict])
+        rep.headlines.append((label + where, value, fmt.format(b.get("bar")), verdict))
+    if brow:
+        rep.add("Bars (issue 12, part 5; not measurements), each at the largest N measured "
+                "unless said:\n", table(["what", "measured", "bar", "verdict"], brow) + "\n")
+    xs = [int(n) for n in ns]
+    if not xs:
+        return
+    p = plt()
+    fig, axes = p.subplots(2, 2, figsize=(9, 6))
+    floor = {"s": 1e-3, "ms": 1e-2, "core": 1e-3}
+
+    def series(ax, key_fn, label, style, unit):
+        pts = [(x, key_fn(per[n])) for x, n in zip(xs, ns)]
+        pts = [(x, max(v, floor[unit])) for x, v in pts if isinstance(v, (int, float))]
+        if pts:
+            ax.plot([a for a, _ in pts], [b for _, b in pts], style, label=label)
+
+    def bar_line(ax, y, text, at=None):
+        ax.axhline(y, color="#d62728", ls=":", lw=1)
+        ax.annotate(text, (xs[0], y), textcoords="offset points", xytext=(2, 3),
+                    fontsize=7, color="#d62728")
+        if at:
+            ax.plot([at], [y], "x", color="#d62728")
+
+    a = axes[0][0]
+    series(a, lambda d: g(d, "register_s"), "all registered", "o-", "s")
+    bar_line(a, BARS_SCALE["register_s"], "bar: 3 s at 2,048 hosts", 2048)
+    a.set_title("registration of N hosts (s)", fontsize=10)
+    a = axes[0][1]
+    series(a, lambda d: g(d, "alloc", "p50_ms"), "AllocateSlice p50", "o-", "ms")
+    series(a, lambda d: g(d, "alloc", "p90_ms"), "AllocateSlice p90", "s--", "ms")
+    series(a, lambda d: g(d, "list_devices", "p50_ms"), "ListDevices p50", "^-.", "ms")
+    bar_line(a, BARS_SCALE["alloc_p50_ms"], "bar: allocation p50 3 ms")
+    a.set_title("coordinator calls (ms)", fontsize=10)
+    a = axes[1][0]
+    series(a, lambda d: g(d, "idle", "cpu_core"), "coordinator", "o-", "core")
+    series(a, lambda d: g(d, "idle", "fakehosts_cpu_core"), "fake hosts (harness)", "s--",
+           "core")
+    bar_line(a, BARS_SCALE["idle_cpu_core"], "bar: 0.10 core")
+    a.set_title("idle CPU, every host beating (cores)", fontsize=10)
+    a = axes[1][1]
+    series(a, lambda d: g(d, "notice", "closed", "max_s"), "closed host", "o-", "s")
+    series(a, lambda d: g(d, "notice", "silent", "max_s"), "silent host", "s-", "s")
+    bar_line(a, BARS_SCALE["silent_lost_s"], "bar: silent host 5 s")
+    a.set_title("time until a host shows lost (s)", fontsize=10)
+    for row in axes:
+        for a in row:
+            a.set_xscale("log", base=2)
+            a.set_yscale("log")
+            a.set_xticks(xs, [f"{x:,}" for x in xs])
+            a.grid(alpha=0.3, which="both")
+            a.legend(fontsize=7, loc="lower right")
+    for a in axes[1]:
+        a.set_xlabel("hosts (4 devices each; log)")
+    fig.suptitle("Control plane at scale: the real coordinator, N fake hosts (log-log; "
+                 "values below the axis floor drawn at it)", fontsize=10)
+    rep.plot("scale.png", fig)
+
+
 def render(results: dict):
     """The report's markdown and the names of the plots written for it."""
     rep = Report(results)
     for section in (fig5, fig6, fig7, fig9, training, dcn, ray_section, runtime, soak,
-                    faults):
+                    faults, scale):
         section(rep)
     meta = results.get("_meta", {})
     wall = meta.get("total_wall_s")

@@ -48,6 +48,9 @@ BENCHES = [
      ["--programs", "2000", "--sample-every", "100"]),
     # Real SIGKILLs: worker, transfer sender, client; back-pressure resume (~1.5 min).
     ("faults.py", [], []),
+    # The control plane at scale: the real coordinator and 16 to 2,048 fake hosts, a real
+    # client against fake executors (~2-3 min).
+    ("scale.py", ["--hosts", "16,256,1024,2048"], ["--fast"]),
 ]
 
 # Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.
