@@ -336,12 +336,10 @@ class FakeHost:
     async def _beats(self, call) -> None:
         # Never cancelled while inside call.write (that would cancel the call): the
         # loop checks the state after each sleep instead.
-        loop = asyncio.get_running_loop()
-        due = loop.time()
         try:
             while self.state == "up" and self.call is call:
-                due += self.heartbeat_s
-                await asyncio.sleep(max(0.0, due - loop.time()))
+                # on multiples of heartbeat_s on the wall clock, as the real agent beats
+                await asyncio.sleep(grpc_util.until_beat(self.heartbeat_s))
                 if self.state != "up" or self.call is not call:
                     return
                 self.beat += 1

@@ -46,9 +46,9 @@ from common import emit
 import fakehosts as fh
 from fakehosts import pb
 
+from pathways_torch.coordinator.service import HEARTBEAT_S, LOST_AFTER_S  # noqa: E402
+
 DEVICES_PER_HOST = 4
-HEARTBEAT_S = 1.0
-LOST_AFTER_S = 4.0
 
 # The issue's bars (issue 12, part 5). Not measurements.
 BARS = {
@@ -274,6 +274,15 @@ def client_main(address: str, ks, repeats: int, graphs: int) -> None:
                 pw.wait(arrays)
                 ts.append(time.perf_counter() - t0)
             r["wait_ms_p50"], r["wait_ms_p90"] = ms(ts), ms(ts, 0.9)
+            r["threads_before_barrier"] = threads()
+            ts = []
+            for _ in range(max(5, repeats // 3)):
+                t0 = time.perf_counter()
+                evs = [(s._conn, s._conn.barrier_start()) for s in slices]
+                for conn, ev in evs:
+                    conn.barrier_finish(ev)
+                ts.append(time.perf_counter() - t0)
+            r["barrier_all_ms_p50"], r["barrier_all_ms_p90"] = ms(ts), ms(ts, 0.9)
             ts = []
             for _ in range(max(5, repeats // 3)):
                 t0 = time.perf_counter()

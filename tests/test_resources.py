@@ -88,3 +88,58 @@ def test_a_lost_host_drops_its_slices_and_a_replacement_takes_its_place():
     rm.add_host(0, 0, 2, "cpu", "b", 2)
     assert [r["state"] for r in rm.device_table()] == ["free", "free"]
     assert rm.reserve("c1", [2], ["x"], None).devices == (0, 1)
+
+
+def test_indexed_placement_equals_the_scan_it_replaced():
+    """The free-device heaps pick what sorting every host picked (issue 12, part 2):
+    most free devices, then least load, then lowest (island, host), over a random mix
+    of hosts of several sizes, reservations, releases, losses and replacements."""
+    import random
+    rng = random.Random(0)
+    rm = ResourceManager()
+    for i in range(3):
+        for h in range(12):
+            rm.add_host(i, h, rng.choice((2, 4, 8)), "cpu", f"a{i}.{h}", 1)
+
+    def by_scan(size, island):
+        fits = [h for h in rm.hosts.values() if not h.lost and len(h.free()) >= size
+                and (island is None or h.island == island)]
+        if not fits:
+            return None
+        return min(fits, key=lambda h: (-len(h.free()), h.load(), h.island, h.host))
+
+    live = []
+    for step in range(3000):
+        r = rng.random()
+        if r < 0.55:
+            size, island = rng.choice((1, 1, 2, 4, 8)), rng.choice((None, 0, 1, 2))
+            want = by_scan(size, island)
+            try:
+                rec = rm.reserve("c", [size], ["d"], island)
+            except AllocationError:
+                assert want is None, step
+                continue
+            assert want is not None and (rec.island, rec.host) == (want.island, want.host)
+            live.append(rec.slice_id)
+        elif r < 0.95 and live:
+            rm.release(live.pop(rng.randrange(len(live))))
+        else:
+            h = rng.choice([h for h in rm.hosts.values()])
+            if h.lost:
+                rm.add_host(h.island, h.host, h.num_devices, "cpu", "again", 2)
+            else:
+                gone = {r.slice_id for r in rm.mark_lost(h.worker_id)}
+                live = [s for s in live if s not in gone]
+    assert sum(len(s) for s in rm._of_client.values()) == len(rm.slices) == len(live)
+
+
+def test_big_clusters_get_a_summary_not_a_list_of_every_host():
+    rm = ResourceManager()
+    for h in range(100):
+        rm.add_host(0, h, 2, "cpu", f"a{h}", 1)
+    for _ in range(100):
+        rm.reserve("c", [2], ["d"], None)
+    with pytest.raises(AllocationError, match=r"free now: 100 hosts; 100 with 0 free"):
+        rm.reserve("c", [1], ["d"], None)
+    assert [r["host"] for r in rm.device_table(0)][:4] == [0, 0, 1, 1]
+    assert rm.device_table(1) == []

@@ -246,14 +246,7 @@ def wait(arrays: Iterable[Array], timeout: Optional[float] = None) -> None:
         (g,) = groups.values()
         g["conn"].wait(g["ids"], g["seq"], g["what"], timeout)
         return
-    # Many slices: every slice's Wait goes out before any is awaited.
-    started = [(g, g["conn"].wait_start(g["ids"], g["seq"], timeout))
-               for g in groups.values()]
-    error = None
-    for g, st in started:
-        try:
-            g["conn"].wait_finish(st, g["what"])
-        except Exception as e:      # finish every call; raise the first failure
-            error = error or e
-    if error is not None:
-        raise error
+    # Many slices: every slice's Wait goes out at once.
+    from .connection import wait_many
+    wait_many([(g["conn"], g["ids"], g["seq"], g["what"]) for g in groups.values()],
+              timeout)

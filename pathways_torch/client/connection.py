@@ -29,7 +29,7 @@ from ..errors import (
 from ..rpc import codec, grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
-from ..rpc.ownership import with_slice_key
+from ..rpc.ownership import SLICE_KEY, with_slice_key
 from . import graph as graph_mod
 
 _CLOSE = object()
@@ -53,6 +53,58 @@ def raise_buffer_error(err, what: str) -> None:
     raise ProgramError(f"{what}{prog}: {err.message}", program=err.program, host=err.host)
 
 
+class _Loop:
+    """One event loop thread for the calls that go out to many slices at once."""
+
+    _lock = threading.Lock()
+    _loop = None
+
+    @classmethod
+    def get(cls):
+        with cls._lock:
+            if cls._loop is None:
+                import asyncio
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="pw-fanout",
+                                 daemon=True).start()
+                cls._loop = loop
+            return cls._loop
+
+
+class _LoopTask:
+    """A task on ``_Loop`` that ``mark_lost`` can cancel from any thread."""
+
+    def __init__(self, loop, task) -> None:
+        self._loop, self._task = loop, task
+
+    def cancel(self) -> None:
+        self._loop.call_soon_threadsafe(self._task.cancel)
+
+
+def wait_many(groups: list, timeout: Optional[float]) -> None:
+    """``pw.wait`` over several slices: every slice's Wait goes out at once from one
+    event loop (gRPC asyncio), so k slices cost about one round trip, not k.
+    ``groups``: (connection, buffer ids, after_seq, what). Raises the first failure."""
+    import asyncio
+    loop = _Loop.get()
+
+    async def all_waits():
+        return await asyncio.gather(*(conn._wait_aio(ids, seq, timeout)
+                                      for conn, ids, seq, _ in groups),
+                                    return_exceptions=True)
+
+    t = max(conn.timeout if timeout is None else timeout for conn, *_ in groups)
+    results = asyncio.run_coroutine_threadsafe(all_waits(), loop).result(t + 30)
+    first = None
+    for (conn, _, _, what), rep in zip(groups, results):
+        try:
+            conn._wait_result(rep, what, timeout or conn.timeout)
+        except Exception as e:      # check every reply; raise the first failure
+            first = first or e
+    if first is not None:
+        raise first
+
+
 class ExecutorConnection:
     def __init__(self, address: str, where: str, timeout: float, slice_id: str = "",
                  key: str = "") -> None:
@@ -73,10 +125,13 @@ class ExecutorConnection:
         self._barriers: dict = {}
         self._barrier_ids = itertools.count(1)
         self._inflight: set = set()       # blocking calls mark_lost must cancel
+        self._key = key
+        self._aio = None                  # (channel, stub, metadata) on _Loop
         self._responses = self.stub.Dispatch(self._requests())
-        self._reader = threading.Thread(target=self._read, name=f"pw-read-{where}",
-                                        daemon=True)
-        self._reader.start()
+        # The stream answers only barriers: its reader starts with the first one, so a
+        # slice that never waits on a barrier costs the channel's two threads, not three.
+        self._reader: Optional[threading.Thread] = None
+        self._reader_lock = threading.Lock()
 
     # ------------------------------------------------------------- ids and ops
     def new_id(self) -> int:
@@ -197,6 +252,12 @@ class ExecutorConnection:
 
     def barrier_start(self) -> threading.Event:
         """Send a barrier; ``barrier_finish`` waits for it (start many, then finish)."""
+        if self._reader is None:
+            with self._reader_lock:
+                if self._reader is None:
+                    self._reader = threading.Thread(target=self._read, daemon=True,
+                                                    name=f"pw-read-{self.where}")
+                    self._reader.start()
         token = next(self._barrier_ids)
         ev = threading.Event()
         self._barriers[token] = ev
@@ -253,6 +314,41 @@ class ExecutorConnection:
     def _wait(self, buffer_ids: List[int], after_seq: int, what: str,
               timeout: Optional[float]) -> None:
         self.wait_finish(self.wait_start(buffer_ids, after_seq, timeout), what)
+
+    async def _wait_aio(self, buffer_ids: List[int], after_seq: int,
+                        timeout: Optional[float]):
+        """One Wait on ``_Loop`` (see ``wait_many``); returns the reply or the error."""
+        import asyncio
+        self._check()
+        if self._aio is None:
+            md = tuple(grpc_util.call_metadata() or ())
+            if self._key:
+                md += ((SLICE_KEY, self._key),)
+            ch = grpc_util.aio_channel(self.address)
+            self._aio = (ch, pbg.ExecutorStub(ch), md)
+        _, stub, md = self._aio
+        t = timeout or self.timeout
+        handle = _LoopTask(asyncio.get_running_loop(), asyncio.current_task())
+        self._inflight.add(handle)
+        try:
+            return await stub.Wait(pb.WaitRequest(buffer_ids=buffer_ids, after_seq=after_seq,
+                                                  timeout_s=t), timeout=t + 5, metadata=md)
+        finally:
+            self._inflight.discard(handle)
+
+    def _wait_result(self, rep, what: str, t: float) -> None:
+        """Raise what a ``_wait_aio`` result says went wrong, if anything."""
+        import asyncio
+        if isinstance(rep, asyncio.CancelledError):
+            self._check()
+            raise WorkerLostError(f"{what}: the wait on {self.where} was cancelled")
+        if isinstance(rep, grpc.RpcError):
+            raise self._rpc_error(rep, what, t)
+        if isinstance(rep, BaseException):
+            raise rep
+        for failed, err in zip(rep.failed, rep.errors):
+            if failed:
+                raise_buffer_error(err, what)
 
     def wait_start(self, buffer_ids: List[int], after_seq: int,
                    timeout: Optional[float] = None):
@@ -316,4 +412,7 @@ class ExecutorConnection:
         self.closed = True
         self._q.put(_CLOSE)
         self._channel.close()
+        if self._aio is not None:
+            import asyncio
+            asyncio.run_coroutine_threadsafe(self._aio[0].close(), _Loop.get())
 

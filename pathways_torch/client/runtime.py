@@ -188,7 +188,7 @@ class _State:
         yield pb.SessionUp(open=request)
         stop = self._beats_stop
         beat = 0
-        while not stop.wait(self.heartbeat_s):
+        while not stop.wait(grpc_util.until_beat(self.heartbeat_s)):
             if not self.client_id:
                 continue
             silent = time.monotonic() - self._heard

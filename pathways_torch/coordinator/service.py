@@ -32,8 +32,11 @@ from .scheduler import GangScheduler
 
 log = logging.getLogger("pathways.coordinator")
 
-HEARTBEAT_S = 1.0
-LOST_AFTER_S = 4.0
+HEARTBEAT_S = 2.0
+LOST_AFTER_S = 4.5
+#: The coordinator answers every ANSWER_EVERY-th beat: enough for the peer's read
+#: deadline (``peer_deadline``), half the messages to write.
+ANSWER_EVERY = 2
 SESSION_GRACE_S = 60.0
 MAX_HOSTS = 16384
 MAX_SESSIONS = 1024
@@ -116,6 +119,12 @@ class _Session:
         self.out: asyncio.Queue = asyncio.Queue()
 
 
+def peer_deadline(heartbeat_s: float, lost_after_s: float) -> float:
+    """How long a worker or client waits for the coordinator's answers before it calls
+    the coordinator silent: three answer intervals, at least the coordinator's own."""
+    return max(lost_after_s, 3 * ANSWER_EVERY * heartbeat_s)
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while True:
@@ -186,7 +195,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
 
     async def sweep(self) -> None:
         """The one timer of the read deadlines: end every stream silent for too long."""
-        tick = min(0.5, self.heartbeat_s / 2)
+        tick = min(0.25, self.heartbeat_s / 2)
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
@@ -237,14 +246,15 @@ class CoordinatorService(pbg.CoordinatorServicer):
                  wid, h.island, h.host, h.num_devices, h.kind, h.address)
         reason = "its connection closed"
         try:
-            await context.write(pb.WorkerEvent(worker_id=wid, heartbeat_s=self.heartbeat_s,
-                                               lost_after_s=self.lost_after_s))
+            await context.write(pb.WorkerEvent(
+                worker_id=wid, heartbeat_s=self.heartbeat_s,
+                lost_after_s=peer_deadline(self.heartbeat_s, self.lost_after_s)))
             while True:
                 msg = await _read(context)
                 if msg is grpc.aio.EOF:
                     break
                 peer.last = time.monotonic()
-                if msg.beat:
+                if msg.beat and msg.beat % ANSWER_EVERY == 0:
                     await context.write(pb.WorkerEvent(beat=msg.beat))
         except asyncio.CancelledError:
             reason = peer.reason or reason
@@ -309,16 +319,16 @@ class CoordinatorService(pbg.CoordinatorServicer):
                          detail=f"{client_id} ({request.name})")
         writer = None
         try:
-            await context.write(pb.SessionEvent(client_id=client_id,
-                                                heartbeat_s=self.heartbeat_s,
-                                                lost_after_s=self.lost_after_s))
+            await context.write(pb.SessionEvent(
+                client_id=client_id, heartbeat_s=self.heartbeat_s,
+                lost_after_s=peer_deadline(self.heartbeat_s, self.lost_after_s)))
             writer = asyncio.ensure_future(self._session_writer(session, context))
             while True:
                 msg = await _read(context)
                 if msg is grpc.aio.EOF:
                     break
                 peer.last = time.monotonic()
-                if msg.beat:
+                if msg.beat and msg.beat % ANSWER_EVERY == 0:
                     session.out.put_nowait(pb.SessionEvent(beat=msg.beat))
         finally:
             if writer is not None:
@@ -559,10 +569,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="how many slices (of any clients) may share one device; >1 turns "
                     "on proportional-share time-multiplexing of shared devices")
     ap.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S,
-                    help="how often workers and clients send a heartbeat (seconds)")
+                    help="how often workers and clients send a heartbeat (seconds; they "
+                    "send on multiples of it on the wall clock, so beats come in bursts)")
     ap.add_argument("--lost-after-s", type=float, default=LOST_AFTER_S,
                     help="a worker silent this long is lost (its slices fail); workers "
-                    "and clients leave a coordinator silent this long")
+                    "and clients leave a coordinator silent for the longer of this and "
+                    f"{3 * ANSWER_EVERY} heartbeats")
     ap.add_argument("--session-grace-s", type=float, default=SESSION_GRACE_S,
                     help="a client silent for --lost-after-s plus this long (frozen, not "
                     "closed) loses its session and its slices")

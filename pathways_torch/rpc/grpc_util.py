@@ -374,10 +374,13 @@ def aio_server(max_concurrent_rpcs: Optional[int] = None) -> "grpc.aio.Server":
     """An asyncio server: streams hold no thread, so thousands cost little.
 
     ``max_concurrent_rpcs`` bounds the calls in flight (streams included); past it gRPC
-    answers RESOURCE_EXHAUSTED at once instead of queueing.
+    answers RESOURCE_EXHAUSTED at once instead of queueing. No keepalive pings: its
+    session streams carry heartbeats with read deadlines, and pings to thousands of idle
+    connections cost more CPU than the beats (Decision 15).
     """
     t = token()
-    return grpc.aio.server(options=SERVER_OPTIONS,
+    return grpc.aio.server(options=OPTIONS + [("grpc.keepalive_permit_without_calls", 1),
+                                              ("grpc.http2.max_pings_without_data", 0)],
                            interceptors=[_AioCheckToken(t)] if t else None,
                            maximum_concurrent_rpcs=max_concurrent_rpcs)
 
@@ -402,6 +405,17 @@ def call_metadata() -> Optional[tuple]:
     """The metadata every call must carry (the cluster token), or None."""
     t = token()
     return ((TOKEN_KEY, t),) if t else None
+
+
+def until_beat(period: float) -> float:
+    """Seconds until the next multiple of ``period`` on the wall clock.
+
+    Workers and clients send their heartbeats there: hosts' clocks agree (NTP), so a
+    coordinator receives a cluster's beats in one burst a period, which costs it less
+    CPU than the same beats spread evenly (measured: docs/architecture.md, Decision 15).
+    """
+    import time
+    return period - (time.time() % period)
 
 
 def first_event(call, timeout: float, what: str):

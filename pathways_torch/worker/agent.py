@@ -186,8 +186,9 @@ class _Session:
     """The worker's registration: a stream to the coordinator, with heartbeats both ways.
 
     The agent sends a beat every ``heartbeat_s`` (the coordinator's first event says how
-    often) and the coordinator answers each. When the stream breaks, or the coordinator
-    says nothing for ``lost_after_s`` (a hung machine, a dead switch: the connection
+    often, and how long the coordinator may be silent: ``lost_after_s``), on multiples
+    of it on the wall clock, and the coordinator answers every other one. When the stream
+    breaks, or the coordinator says nothing for ``lost_after_s`` (a hung machine, a dead switch: the connection
     stays open), the worker stops its executors, whose slices the coordinator no longer
     knows, and registers again: with the next of its coordinator addresses (a
     comma-separated list), retrying until one answers.
@@ -209,8 +210,9 @@ class _Session:
         from ..rpc import pathways_pb2 as pb
         yield pb.WorkerUp(register=self.req)
         beat = 0
+        from ..rpc.grpc_util import until_beat
         while True:
-            time.sleep(self.heartbeat_s)
+            time.sleep(until_beat(self.heartbeat_s))
             if call_box and call_box[0].done():
                 return
             silent = time.monotonic() - self._heard
