@@ -88,6 +88,16 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--devices-shared-by", type=int, default=1,
                     help="coordinator / local: slices that may share one device (>1 turns "
                     "on proportional shares between clients)")
+    from .coordinator import service as coord
+    for flag, default, what in (
+            ("--heartbeat-s", coord.HEARTBEAT_S, "how often workers and clients beat"),
+            ("--lost-after-s", coord.LOST_AFTER_S, "a worker silent this long is lost"),
+            ("--session-grace-s", coord.SESSION_GRACE_S,
+             "a frozen client is dropped after --lost-after-s plus this"),
+            ("--max-hosts", coord.MAX_HOSTS, "registered hosts at most"),
+            ("--max-sessions", coord.MAX_SESSIONS, "open client sessions at most")):
+        ap.add_argument(flag, type=type(default), default=default,
+                        help=f"coordinator: {what} (default {default})")
     # worker
     ap.add_argument("--coordinator-address", "--master-addr", "--master_addr",
                     dest="coordinator_address",
@@ -136,7 +146,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.coordinator:
         from .coordinator.service import serve
         serve(argparse.Namespace(host=args.host, port=args.port,
-                                 devices_shared_by=args.devices_shared_by))
+                                 devices_shared_by=args.devices_shared_by,
+                                 heartbeat_s=args.heartbeat_s, lost_after_s=args.lost_after_s,
+                                 session_grace_s=args.session_grace_s,
+                                 max_hosts=args.max_hosts, max_sessions=args.max_sessions))
         return 0
     if args.worker:
         os.environ.setdefault("CPU_NUM_DEVICES", str(args.devices_per_host))
