@@ -91,7 +91,12 @@ def part(out: dict, name: str, fn) -> None:
 # ---------------------------------------------------------------------------- parts
 
 def idle(coord, fleet, seconds: float) -> dict:
-    """The coordinator's CPU with every host beating and nothing else going on."""
+    """The coordinator's CPU with every host beating and nothing else going on.
+
+    Hosts beat in one burst per heartbeat period (on wall-clock multiples), so the
+    window is a whole number of periods: 5 s would hold two bursts or three."""
+    import math
+    seconds = HEARTBEAT_S * math.ceil(seconds / HEARTBEAT_S)
     time.sleep(1.0)                         # let registration's aftermath settle
     fleet.stats(reset=True)
     c0, f0, s0, t0 = coord.cpu_s(), fleet.cpu_s(), time.process_time(), time.monotonic()
