@@ -108,6 +108,9 @@ def test_a_silent_host_is_lost_in_seconds_and_registers_again_when_it_wakes(clus
     try:
         t0 = time.monotonic()
         y = twice(x)                                 # dispatched to a stopped executor
+        good = twice(pw.put(torch.ones(2), s0))
+        with pytest.raises(pw.WorkerLostError, match="silent"):
+            pw.wait([good, y], timeout=60)           # both slices' waits at once
         with pytest.raises(pw.WorkerLostError, match="silent"):
             pw.wait([y], timeout=60)
         took = time.monotonic() - t0

@@ -11,6 +11,7 @@ a release never overtakes the op that creates its buffer.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 from typing import Iterable, List, Optional
@@ -69,6 +70,14 @@ class _Loop:
                                  daemon=True).start()
                 cls._loop = loop
             return cls._loop
+
+
+def _forget_loop_in_child() -> None:
+    _Loop._loop = None              # its thread does not exist in a forked child
+    _Loop._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_loop_in_child)
 
 
 class _LoopTask:
