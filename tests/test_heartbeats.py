@@ -100,6 +100,9 @@ def test_a_frozen_client_loses_its_slices_after_the_grace_period(cluster, tmp_pa
 def test_a_silent_host_is_lost_in_seconds_and_registers_again_when_it_wakes(cluster):
     s0, s1 = pw.slice(1), pw.slice(1)
     assert {s0.host, s1.host} == {0, 1}            # least loaded: one slice per host
+    assert [(d.host, d.state) for d in pw.devices(island=0)] == [(0, "in_use"),
+                                                                 (1, "in_use")]
+    assert pw.devices(island=5) == []
     x = pw.put(torch.arange(4.0), s1)
     assert twice(x).torch().tolist() == [0, 2, 4, 6]     # compiled while it answers
     agent = cluster.worker_pid(0, s1.host)
