@@ -109,6 +109,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     default=_env_int("NODE_RANK", 0), help="worker: host index in its island")
     ap.add_argument("--bind-host", default="127.0.0.1",
                     help="worker: address it and its executors listen on")
+    ap.add_argument("--advertise-host", default=os.environ.get("PATHWAYS_ADVERTISE_HOST", ""),
+                    help="worker: the host others dial to reach it (default: --bind-host; "
+                    "for 0.0.0.0, the address of the interface that routes to the "
+                    "coordinator; PATHWAYS_ADVERTISE_HOST)")
     ap.add_argument("--memory-budget", default="",
                     help="worker / local: bytes of buffers a host's devices may hold in "
                     "all, e.g. 48G (default: 80%% of the memory available, split over the "
@@ -157,6 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         serve(argparse.Namespace(coordinator=args.coordinator_address, island=args.island,
                                  host=args.node_rank, devices=args.devices_per_host,
                                  bind_host=args.bind_host,
+                                 advertise_host=args.advertise_host,
                                  memory_budget=args.memory_budget,
                                  register_timeout=args.register_timeout))
         return 0

@@ -26,6 +26,8 @@ CLIENT = textwrap.dedent("""
     def double(x):
         return x * 2
 
+    print("ADDRESSES", [s._conn.address for s in slices],
+          [s.data_address for s in slices], flush=True)
     x = pw.put(torch.arange(4.), slices[0])
     y = double(x).to(slices[1])               # island 0 -> island 1 over the data plane
     print("RESULT", double(y).torch().tolist(), flush=True)
@@ -80,9 +82,9 @@ def start_coordinator(tmp_path, port=0, name="coordinator"):
     return c, f"127.0.0.1:{port}"
 
 
-def start_worker(tmp_path, address, island, name=None):
+def start_worker(tmp_path, address, island, name=None, extra=()):
     return Proc(["--worker", "--coordinator-address", address, "--island", str(island),
-                 "--devices-per-host", "2"], base_env(), tmp_path,
+                 "--devices-per-host", "2", *extra], base_env(), tmp_path,
                 name or f"worker{island}")
 
 
@@ -153,6 +155,26 @@ def test_workers_started_before_the_coordinator_wait_for_it_and_serve_clients(tm
         for p in workers + ([coord] if coord else []):
             p.stop()
     assert wait_gone([w.p.pid for w in workers]) == []
+
+
+def test_workers_bound_to_every_interface_advertise_an_address_others_can_dial(tmp_path):
+    """--bind-host 0.0.0.0 (as on a real cluster) must not hand out "0.0.0.0:port":
+    the worker advertises the interface that routes to the coordinator (here loopback),
+    or --advertise-host (a pod's IP, say)."""
+    coord, address = start_coordinator(tmp_path)
+    workers = [start_worker(tmp_path, address, 0, extra=("--bind-host", "0.0.0.0")),
+               start_worker(tmp_path, address, 1, extra=("--bind-host", "0.0.0.0",
+                                                         "--advertise-host", "localhost"))]
+    try:
+        assert registered(address, 2)
+        r = run_client(tmp_path, address)
+        assert r.returncode == 0, r.stderr[-3000:]
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("ADDRESSES"))
+        assert "0.0.0.0" not in line and "127.0.0.1:" in line and "localhost:" in line, line
+        assert "RESULT [0.0, 4.0, 8.0, 12.0]" in r.stdout
+    finally:
+        for p in workers + [coord]:
+            p.stop()
 
 
 def test_listening_beyond_loopback_needs_a_token(tmp_path):

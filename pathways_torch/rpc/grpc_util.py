@@ -160,6 +160,26 @@ def is_loopback(host: str) -> bool:
             return False
 
 
+def advertised_host(bind_host: str, toward: str) -> str:
+    """The host other machines should dial to reach a server bound to ``bind_host``.
+
+    A wildcard bind ("0.0.0.0", "::", "") is not an address anyone can dial: use the
+    address of this machine's interface that routes toward ``toward`` (``host:port``,
+    the coordinator), found by connecting a UDP socket (nothing is sent).
+    """
+    if bind_host not in ("0.0.0.0", "::", "", "[::]"):
+        return bind_host
+    host, _, port = toward.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, int(port or 1)))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
 def require_token_for(host: str, what: str) -> None:
     """Refuse to listen beyond loopback without a token (anyone could drive the devices)."""
     if not is_loopback(host) and not token():

@@ -90,7 +90,8 @@ def _kill_and_wait(pid: int, timeout: float = 5.0) -> None:
 
 
 def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: str,
-                  arbiter_path: str, device_budget: int, num_devices: int = 0):
+                  arbiter_path: str, device_budget: int, num_devices: int = 0,
+                  advertise_host: str = ""):
     import grpc
     from .. import tracing
     from ..rpc import pathways_pb2 as pb
@@ -132,7 +133,8 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
                 slice_id=request.slice_id, devices=list(request.device_indices),
                 mesh_shape=list(request.mesh_shape), axis_names=list(request.axis_names),
                 agent_address=self.address, island=island, host=host, kind=kind,
-                bind_host=bind_host, client_id=request.client_id, share=request.share,
+                bind_host=bind_host, advertise_host=advertise_host,
+                client_id=request.client_id, share=request.share,
                 arbiter=arbiter_path, slice_key=request.slice_key,
                 memory_budget=device_budget))
             ok = ev.wait(120)
@@ -296,6 +298,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bind-host", default="127.0.0.1",
                     help="address the worker and its executors listen on (beyond loopback "
                     "a token is required)")
+    ap.add_argument("--advertise-host",
+                    default=os.environ.get("PATHWAYS_ADVERTISE_HOST", ""),
+                    help="the host the coordinator and clients dial to reach this worker "
+                    "and its executors (default: --bind-host, or for 0.0.0.0 the address "
+                    "of the interface that routes to the coordinator; "
+                    "PATHWAYS_ADVERTISE_HOST, e.g. a pod's IP)")
     ap.add_argument("--memory-budget", default="",
                     help="bytes of buffers this host's devices may hold in all, e.g. 48G "
                     "(default: PATHWAYS_MEMORY_BUDGET, or 80%% of the memory available)")
@@ -336,13 +344,16 @@ def serve(args: argparse.Namespace) -> None:
     arbiter = ShareArbiter()        # after the fork: the zygote must not hold its threads
     from .memory import default_budget, parse_bytes
     budget = parse_bytes(args.memory_budget) if args.memory_budget else default_budget()
+    advertise = getattr(args, "advertise_host", "") or grpc_util.advertised_host(
+        args.bind_host, args.coordinator.split(",")[0].strip())
     service = _make_service(zygote, args.island, args.host, kind, args.bind_host,
-                            arbiter.path, max(1, budget // num_devices), num_devices)
+                            arbiter.path, max(1, budget // num_devices), num_devices,
+                            advertise)
     srv = grpc_util.server(max_workers=32)
     pbg.add_WorkerServicer_to_server(service, srv)
     port = grpc_util.add_port(srv, f"{args.bind_host}:0")
     srv.start()
-    service.address = f"{args.bind_host}:{port}"
+    service.address = f"{advertise}:{port}"
 
     req = pb.RegisterWorkerRequest(island=args.island, host=args.host,
                                    num_devices=num_devices, kind=kind,

@@ -118,8 +118,10 @@ class DataPlane:
     """Listens for incoming transfers and sends outgoing ones (a small thread pool)."""
 
     def __init__(self, bind_host: str, recorder=None, token: Optional[str] = None,
-                 tls: Optional[grpc_util.TLSFiles] = None) -> None:
-        """``token``/``tls``: default to the process's (grpc_util.token(), .tls())."""
+                 tls: Optional[grpc_util.TLSFiles] = None,
+                 advertise_host: str = "") -> None:
+        """``token``/``tls``: default to the process's (grpc_util.token(), .tls()).
+        ``advertise_host``: the host others dial (default ``bind_host``)."""
         self.rec = recorder             # a tracing.Recorder (spans while profiling)
         t = grpc_util.token() if token is None else token
         self._token = t.encode() if t else b""
@@ -131,7 +133,7 @@ class DataPlane:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((bind_host, 0))
         self._sock.listen(64)
-        self.address = f"{bind_host}:{self._sock.getsockname()[1]}"
+        self.address = f"{advertise_host or bind_host}:{self._sock.getsockname()[1]}"
         self._cond = threading.Condition()
         self._arrived: Dict[int, Arrival] = {}
         self._discarded: set = set()    # transfers whose bytes are dropped on arrival

@@ -54,7 +54,8 @@ def run_executor(req: dict) -> None:
             error=f"{type(e).__name__}: {e}"), timeout=30)
         raise
     agent.ExecutorReady(pb.ExecutorReadyRequest(
-        slice_id=req["slice_id"], address=f"{req['bind_host']}:{port}", pid=os.getpid(),
+        slice_id=req["slice_id"], pid=os.getpid(),
+        address=f"{req.get('advertise_host') or req['bind_host']}:{port}",
         data_address=service.dataplane.address, memory_budget=service.budget), timeout=30)
     _proc.serve_until_signal(srv)
     service.stop()
@@ -125,7 +126,8 @@ class ExecutorService(_make_servicer_base()):
         # Spans for pw.profile(); recorded only while a profile is open.
         self.rec = tracing.Recorder(tracing.skew_from_env())
         self.process_name = f"executor {self.where} slice {self.slice_id}"
-        self.dataplane = DataPlane(req["bind_host"], self.rec)
+        self.dataplane = DataPlane(req["bind_host"], self.rec,
+                                   advertise_host=req.get("advertise_host", ""))
         self.transfer_timeout = 600.0
         from .memory import default_budget
         # Bytes of buffers each device of the slice may hold (the worker's budget split
