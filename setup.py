@@ -10,7 +10,9 @@ from setuptools import find_packages, setup
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "requirements.txt")) as f:
     pins = [l.strip() for l in f if l.strip() and not l.startswith("#")]
-_test = ("pytest", "grpcio-tools", "hypothesis", "torchvision", "transformers")
+_test = ("pytest", "grpcio-tools", "hypothesis", "torchvision", "transformers",
+         "kubernetes-validate", "jsonschema", "referencing", "rpds-py", "attrs",
+         "importlib_resources", "PyYAML")
 runtime_pins = [p for p in pins if not p.startswith(_test + ("wheel",))]
 
 setup(

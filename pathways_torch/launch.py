@@ -104,7 +104,12 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     default=os.environ.get("PATHWAYS_COORDINATOR_ADDRESS",
                                            _master_address()),
                     help="worker: the coordinator's HOST:PORT")
-    ap.add_argument("--island", type=int, default=0, help="worker: its island")
+    ap.add_argument("--coordinator-env", default="",
+                    help="worker / client: read the coordinator's host from this "
+                    "environment variable (a scheduler's: TorchX's rank-0 host, a JobSet "
+                    "pod's coordinator label) and its port from --port / MASTER_PORT")
+    ap.add_argument("--island", type=int, default=_env_int("PATHWAYS_ISLAND", 0),
+                    help="worker: its island (default: PATHWAYS_ISLAND, or 0)")
     ap.add_argument("--node-rank", "--node_rank", type=int, dest="node_rank",
                     default=_env_int("NODE_RANK", 0), help="worker: host index in its island")
     ap.add_argument("--bind-host", default="127.0.0.1",
@@ -113,6 +118,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="worker: the host others dial to reach it (default: --bind-host; "
                     "for 0.0.0.0, the address of the interface that routes to the "
                     "coordinator; PATHWAYS_ADVERTISE_HOST)")
+    ap.add_argument("--agent-port", type=int, default=0,
+                    help="worker: the port its agent listens on (0: any; a fixed one for "
+                    "health probes)")
     ap.add_argument("--memory-budget", default="",
                     help="worker / local: bytes of buffers a host's devices may hold in "
                     "all, e.g. 48G (default: 80%% of the memory available, split over the "
@@ -130,6 +138,15 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
             parse_bytes(args.memory_budget)
         except ValueError as e:
             ap.error(str(e))
+    if args.coordinator_env and not args.coordinator:
+        host = os.environ.get(args.coordinator_env, "")
+        if not host or not args.port:
+            ap.error(f"--coordinator-env {args.coordinator_env} needs that variable set "
+                     f"(it is {'set' if host else 'not set'}) and the coordinator's --port "
+                     "(or MASTER_PORT)")
+        args.coordinator_address = f"{host}:{args.port}"
+        if not args.worker and not args.address:
+            args.address = args.coordinator_address
     if not (args.coordinator or args.worker) and not args.script:
         ap.error("give the client SCRIPT to run (or --coordinator / --worker)")
     if args.worker and not args.coordinator_address:
@@ -162,6 +179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  host=args.node_rank, devices=args.devices_per_host,
                                  bind_host=args.bind_host,
                                  advertise_host=args.advertise_host,
+                                 agent_port=args.agent_port,
                                  memory_budget=args.memory_budget,
                                  register_timeout=args.register_timeout))
         return 0

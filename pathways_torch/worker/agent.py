@@ -304,6 +304,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "and its executors (default: --bind-host, or for 0.0.0.0 the address "
                     "of the interface that routes to the coordinator; "
                     "PATHWAYS_ADVERTISE_HOST, e.g. a pod's IP)")
+    ap.add_argument("--agent-port", type=int, default=0,
+                    help="the port the agent listens on (0: any free port; a fixed one for "
+                    "a scheduler's health probes)")
     ap.add_argument("--memory-budget", default="",
                     help="bytes of buffers this host's devices may hold in all, e.g. 48G "
                     "(default: PATHWAYS_MEMORY_BUDGET, or 80%% of the memory available)")
@@ -351,7 +354,7 @@ def serve(args: argparse.Namespace) -> None:
                             advertise)
     srv = grpc_util.server(max_workers=32)
     pbg.add_WorkerServicer_to_server(service, srv)
-    port = grpc_util.add_port(srv, f"{args.bind_host}:0")
+    port = grpc_util.add_port(srv, f"{args.bind_host}:{getattr(args, 'agent_port', 0)}")
     srv.start()
     service.address = f"{advertise}:{port}"
 

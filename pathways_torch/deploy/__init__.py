@@ -1,0 +1,1 @@
+"""Running a Pathways cluster on the engines users have: Kubernetes (``jobset``)."""
