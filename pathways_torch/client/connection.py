@@ -54,6 +54,13 @@ def raise_buffer_error(err, what: str) -> None:
     raise ProgramError(f"{what}{prog}: {err.message}", program=err.program, host=err.host)
 
 
+def _raise_failures(rep: pb.WaitReply, what: str) -> None:
+    """Raise the first failed buffer of a WaitReply, if any."""
+    for failed, err in zip(rep.failed, rep.errors):
+        if failed:
+            raise_buffer_error(err, what)
+
+
 class _Loop:
     """One event loop thread for the calls that go out to many slices at once."""
 
@@ -322,7 +329,22 @@ class ExecutorConnection:
 
     def _wait(self, buffer_ids: List[int], after_seq: int, what: str,
               timeout: Optional[float]) -> None:
-        self.wait_finish(self.wait_start(buffer_ids, after_seq, timeout), what)
+        """One slice's Wait, as a future so that ``mark_lost`` can cancel it."""
+        self._check()
+        t = timeout or self.timeout
+        fut = self.stub.Wait.future(pb.WaitRequest(buffer_ids=buffer_ids,
+                                                   after_seq=after_seq, timeout_s=t),
+                                    timeout=t + 5)
+        self._inflight.add(fut)
+        try:
+            rep = fut.result()
+        except grpc.FutureCancelledError:
+            raise self._cancelled(what) from None
+        except grpc.RpcError as e:
+            raise self._rpc_error(e, what, t) from None
+        finally:
+            self._inflight.discard(fut)
+        _raise_failures(rep, what)
 
     async def _wait_aio(self, buffer_ids: List[int], after_seq: int,
                         timeout: Optional[float]):
@@ -349,44 +371,17 @@ class ExecutorConnection:
         """Raise what a ``_wait_aio`` result says went wrong, if anything."""
         import asyncio
         if isinstance(rep, asyncio.CancelledError):
-            self._check()
-            raise WorkerLostError(f"{what}: the wait on {self.where} was cancelled")
+            raise self._cancelled(what)
         if isinstance(rep, grpc.RpcError):
             raise self._rpc_error(rep, what, t)
         if isinstance(rep, BaseException):
             raise rep
-        for failed, err in zip(rep.failed, rep.errors):
-            if failed:
-                raise_buffer_error(err, what)
+        _raise_failures(rep, what)
 
-    def wait_start(self, buffer_ids: List[int], after_seq: int,
-                   timeout: Optional[float] = None):
-        """Ask the executor to wait for the buffers, without blocking: ``pw.wait`` over
-        many slices starts every slice's Wait, then finishes them (one round trip in all,
-        not one per slice). Returns what ``wait_finish`` takes."""
+    def _cancelled(self, what: str) -> Exception:
+        """A wait that ``mark_lost`` cancelled: the lost host's error."""
         self._check()
-        t = timeout or self.timeout
-        fut = self.stub.Wait.future(pb.WaitRequest(buffer_ids=buffer_ids,
-                                                   after_seq=after_seq, timeout_s=t),
-                                    timeout=t + 5)
-        self._inflight.add(fut)
-        return fut, t
-
-    def wait_finish(self, started, what: str) -> None:
-        fut, t = started
-        try:
-            rep = fut.result()
-        except grpc.FutureCancelledError:
-            self._check()
-            raise WorkerLostError(f"{what}: the wait on {self.where} was cancelled") \
-                from None
-        except grpc.RpcError as e:
-            raise self._rpc_error(e, what, t) from None
-        finally:
-            self._inflight.discard(fut)
-        for failed, err in zip(rep.failed, rep.errors):
-            if failed:
-                raise_buffer_error(err, what)
+        return WorkerLostError(f"{what}: the wait on {self.where} was cancelled")
 
     def _rpc_error(self, e: grpc.RpcError, what: str, t: Optional[float] = None) -> Exception:
         if self.broken and not self.closed:
