@@ -6,6 +6,7 @@ import ctypes
 import os
 import signal
 import time
+from typing import Callable, Optional
 
 _PR_SET_PDEATHSIG = 1
 
@@ -21,8 +22,8 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
         os._exit(0)
 
 
-def serve_until_signal(server) -> None:
-    """Block until SIGTERM or SIGINT, then stop the gRPC server."""
+def serve_until_signal(server, until: Optional[Callable[[], bool]] = None) -> None:
+    """Block until SIGTERM or SIGINT (or ``until()`` is true), then stop the server."""
     # The handler must take no lock: Event.set() from a handler that interrupted the
     # main thread inside Event.wait() (holding the event's lock) deadlocked forever, and
     # a coordinator whose parent died never exited (seen with gdb).
@@ -33,6 +34,6 @@ def serve_until_signal(server) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    while not stop:
+    while not stop and not (until is not None and until()):
         time.sleep(0.2)
     server.stop(grace=0.5).wait(5)

@@ -17,8 +17,15 @@ island, ``--node-rank`` / ``NODE_RANK`` for a worker's host index, ``--master-ad
 ``--master-port`` (``MASTER_ADDR`` / ``MASTER_PORT``) for the coordinator's address,
 ``-m`` to run a module, ``--standalone`` for the local mode.
 
-A cluster that listens beyond loopback needs a shared token: ``--token`` or
-``PATHWAYS_TOKEN``, the same on every node and client. ``--tls-cert``, ``--tls-key`` and
+In a scheduler's batch job (TorchX, Slurm), where every process starts at once:
+``--replica-id R`` places a worker (island ``R // --hosts-per-island``, host ``R %
+--hosts-per-island``), ``--max-restarts N`` restarts its agent when it dies, and a client
+with ``--wait-for-hosts N --shutdown-cluster`` waits for the hosts, runs the script, then
+shuts the cluster down so that every process exits (``pathways_torch/deploy/``).
+
+A cluster that listens beyond loopback needs a shared token: ``--token``,
+``PATHWAYS_TOKEN`` or ``--token-file`` / ``PATHWAYS_TOKEN_FILE``, the same on every node
+and client. ``--tls-cert``, ``--tls-key`` and
 ``--tls-ca`` (PEM files; ``PATHWAYS_TLS_CERT`` / ``_KEY`` / ``_CA``) turn on TLS for
 gRPC and the data plane in every mode; with a CA, servers require client certificates
 (mutual TLS). The launcher exports them, so everything it starts inherits them.
@@ -73,6 +80,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="run SCRIPT as a client of the cluster at HOST:PORT")
     ap.add_argument("--token", default=None,
                     help=f"the cluster's shared token (default: {grpc_util.TOKEN_ENV})")
+    ap.add_argument("--token-file", default=os.environ.get(grpc_util.TOKEN_FILE_ENV, ""),
+                    help="read the token from this file's first line (a mounted secret; "
+                    f"{grpc_util.TOKEN_FILE_ENV})")
     grpc_util.add_tls_arguments(ap)
     ap.add_argument("--islands", type=int, default=_env_int("PATHWAYS_ISLANDS", 1))
     ap.add_argument("--hosts-per-island", "--hosts_per_island", "--nnodes", type=int,
@@ -112,6 +122,14 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="worker: its island (default: PATHWAYS_ISLAND, or 0)")
     ap.add_argument("--node-rank", "--node_rank", type=int, dest="node_rank",
                     default=_env_int("NODE_RANK", 0), help="worker: host index in its island")
+    ap.add_argument("--replica-id", type=int, default=_env_int("PATHWAYS_REPLICA_ID", -1),
+                    help="worker: its index among all the cluster's hosts (a scheduler's "
+                    "replica or task id): island = R // --hosts-per-island, node rank = "
+                    "R %% --hosts-per-island")
+    ap.add_argument("--max-restarts", type=int, default=0,
+                    help="worker: run the agent as a child and start it again when it dies, "
+                    "up to N times (it registers as the replacement; torchrun's "
+                    "--max-restarts for schedulers that restart nothing themselves)")
     ap.add_argument("--bind-host", default="127.0.0.1",
                     help="worker: address it and its executors listen on")
     ap.add_argument("--advertise-host", default=os.environ.get("PATHWAYS_ADVERTISE_HOST", ""),
@@ -126,8 +144,17 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     "all, e.g. 48G (default: 80%% of the memory available, split over the "
                     "local workers)")
     ap.add_argument("--register-timeout", type=float, default=0.0,
-                    help="worker: give up if the coordinator is not up in this many "
-                    "seconds (0: retry forever)")
+                    help="worker: give up (exit 1) if no coordinator answers for this many "
+                    "seconds, at the start or after losing it (0: retry forever); client "
+                    "with --wait-for-hosts: how long to wait for them")
+    # client of a running cluster, in a batch job
+    ap.add_argument("--wait-for-hosts", type=int, default=0,
+                    help="client: before the script starts, wait until this many hosts "
+                    "have registered (a batch job whose processes start together)")
+    ap.add_argument("--shutdown-cluster", action="store_true",
+                    help="client: when the script ends (whatever its exit code), shut the "
+                    "cluster down: the coordinator and every worker exit 0, so the "
+                    "scheduler sees the job end")
     ap.add_argument("-m", "--module", action="store_true",
                     help="run SCRIPT as a module (python -m), as torchrun's -m")
     ap.add_argument("script", nargs="?", help="the client script (or module with -m)")
@@ -138,6 +165,18 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
             parse_bytes(args.memory_budget)
         except ValueError as e:
             ap.error(str(e))
+    if args.token_file:
+        args.token_file = os.path.abspath(args.token_file)
+        try:
+            grpc_util.token_from_file(args.token_file)
+        except PathwaysError as e:
+            ap.error(str(e))
+    if args.replica_id >= 0:
+        if args.hosts_per_island < 1:
+            ap.error("--replica-id needs --hosts-per-island >= 1")
+        args.island, args.node_rank = divmod(args.replica_id, args.hosts_per_island)
+    if args.max_restarts < 0:
+        ap.error("--max-restarts must be >= 0")
     if args.coordinator_env and not args.coordinator:
         host = os.environ.get(args.coordinator_env, "")
         if not host or not args.port:
@@ -152,6 +191,22 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.worker and not args.coordinator_address:
         ap.error("--worker needs --coordinator-address HOST:PORT (or MASTER_ADDR and "
                  "MASTER_PORT, or PATHWAYS_COORDINATOR_ADDRESS)")
+    if args.worker:
+        host = args.coordinator_address.split(",")[0].strip().rpartition(":")[0].strip("[]")
+        if host and not grpc_util.is_loopback(host):
+            if grpc_util.is_loopback(args.bind_host):
+                ap.error(f"the coordinator ({host}) is on another machine, which cannot "
+                         f"reach a worker bound to {args.bind_host}: give --bind-host "
+                         "0.0.0.0 (or this host's address)")
+            if not (args.token or args.token_file or os.environ.get(grpc_util.TOKEN_ENV)
+                    or os.environ.get(grpc_util.TOKEN_FILE_ENV)):
+                ap.error(f"the coordinator ({host}) is on another machine: a cluster beyond "
+                         "one machine needs the shared token on every node: --token-file "
+                         f"PATH (or {grpc_util.TOKEN_ENV})")
+    if (args.shutdown_cluster or args.wait_for_hosts) and (
+            args.coordinator or args.worker or not args.address):
+        ap.error("--shutdown-cluster and --wait-for-hosts are for a client of a running "
+                 "cluster: give --address HOST:PORT (or --coordinator-env)")
     return args
 
 
@@ -159,6 +214,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
     if args.token is not None:
         os.environ[grpc_util.TOKEN_ENV] = args.token   # children inherit it
+    if args.token_file:
+        os.environ[grpc_util.TOKEN_FILE_ENV] = args.token_file
     try:
         grpc_util.apply_tls_arguments(args)             # exported too
     except PathwaysError as e:
@@ -174,6 +231,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.worker:
         os.environ.setdefault("CPU_NUM_DEVICES", str(args.devices_per_host))
+        if args.max_restarts:
+            return _supervise(args)
         from .worker.agent import serve
         serve(argparse.Namespace(coordinator=args.coordinator_address, island=args.island,
                                  host=args.node_rank, devices=args.devices_per_host,
@@ -181,9 +240,60 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  advertise_host=args.advertise_host,
                                  agent_port=args.agent_port,
                                  memory_budget=args.memory_budget,
-                                 register_timeout=args.register_timeout))
+                                 register_timeout=args.register_timeout,
+                                 reregister_timeout=args.register_timeout))
         return 0
     return _run_client(args)
+
+
+def _agent_command(args: argparse.Namespace) -> List[str]:
+    cmd = [sys.executable, "-m", "pathways_torch.worker",
+           "--coordinator", args.coordinator_address, "--island", str(args.island),
+           "--host", str(args.node_rank), "--devices", str(args.devices_per_host),
+           "--bind-host", args.bind_host, "--agent-port", str(args.agent_port),
+           "--register-timeout", str(args.register_timeout),
+           "--reregister-timeout", str(args.register_timeout),
+           "--parent-pid", str(os.getpid())]
+    if args.advertise_host:
+        cmd += ["--advertise-host", args.advertise_host]
+    if args.memory_budget:
+        cmd += ["--memory-budget", args.memory_budget]
+    return cmd
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    """Run the worker agent as a child; start it again when it dies, up to
+    ``--max-restarts`` times (1 s apart, doubling), as torchrun restarts its workers.
+    The agent's clean exit (the cluster shut down) ends the supervisor with 0."""
+    import time
+    child: Optional[subprocess.Popen] = None
+    stopping: list = []
+
+    def forward(signum, frame):
+        stopping.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, forward)
+    restarts, backoff = 0, 1.0
+    where = f"worker island {args.island} host {args.node_rank}"
+    while True:
+        child = subprocess.Popen(_agent_command(args))
+        code = child.wait()
+        if code == 0 or stopping:
+            return 0 if code == 0 else (128 - code if code < 0 else code)
+        if restarts >= args.max_restarts:
+            print(f"pathways-run: {where}: the agent exited with code {code}; it was "
+                  f"restarted {restarts} times (--max-restarts {args.max_restarts}), not "
+                  "again", file=sys.stderr, flush=True)
+            return 128 - code if code < 0 else code
+        restarts += 1
+        print(f"pathways-run: {where}: the agent exited with code {code}; starting it "
+              f"again in {backoff:g} s ({restarts}/{args.max_restarts})", file=sys.stderr,
+              flush=True)
+        time.sleep(backoff)
+        backoff *= 2
 
 
 def _run_client(args: argparse.Namespace) -> int:
@@ -206,9 +316,14 @@ def _run_client(args: argparse.Namespace) -> int:
             child.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 1
     try:
+        if args.wait_for_hosts:
+            _wait_for_hosts(args.address, args.wait_for_hosts, args.register_timeout)
         child = subprocess.Popen(cmd, env=env)
         code = child.wait()
+    except PathwaysError as e:
+        print(f"pathways-run: {e}", file=sys.stderr, flush=True)
     finally:
         if child is not None and child.poll() is None:
             child.kill()
@@ -217,9 +332,58 @@ def _run_client(args: argparse.Namespace) -> int:
             cluster.stop()
         for s, h in old.items():
             signal.signal(s, h)
+        if args.shutdown_cluster:
+            _shutdown_cluster(args.address, f"the client {args.script} exited with code "
+                              f"{code}")
     if code < 0:
         code = 128 - code
     return code
+
+
+def _wait_for_hosts(address: str, hosts: int, timeout: float) -> None:
+    """Block until ``hosts`` hosts have registered with the coordinator at ``address``."""
+    import time
+
+    import grpc
+
+    from .rpc import pathways_pb2 as pb
+    from .rpc import pathways_pb2_grpc as pbg
+    deadline = time.monotonic() + (timeout or 300.0)
+    seen, why = 0, "no answer yet"
+    with grpc_util.channel(address) as ch:
+        stub = pbg.CoordinatorStub(ch)
+        while True:
+            try:
+                seen = stub.ListDevices(pb.ListDevicesRequest(), timeout=5,
+                                        wait_for_ready=True).registered_workers
+                if seen >= hosts:
+                    return
+                why = f"{seen} of {hosts} hosts registered"
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                grpc.StatusCode.PERMISSION_DENIED):
+                    raise PathwaysError(f"the coordinator at {address} refused this client: "
+                                        f"{e.details()}") from None
+                why = f"the coordinator did not answer ({e.code().name})"
+            if time.monotonic() > deadline:
+                raise PathwaysError(
+                    f"the cluster at {address} is not complete after {timeout or 300:g} s: "
+                    f"{why}; check the workers' logs (--register-timeout waits longer)")
+            time.sleep(0.5)
+
+
+def _shutdown_cluster(address: str, reason: str) -> None:
+    """Ask the coordinator at ``address`` to stop every worker and itself."""
+    import grpc
+
+    from .rpc import pathways_pb2 as pb
+    from .rpc import pathways_pb2_grpc as pbg
+    try:
+        with grpc_util.channel(address) as ch:
+            pbg.CoordinatorStub(ch).Shutdown(pb.ShutdownRequest(reason=reason), timeout=10)
+    except grpc.RpcError as e:
+        print(f"pathways-run: could not shut the cluster at {address} down: "
+              f"{e.code().name} {e.details()}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

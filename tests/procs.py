@@ -73,3 +73,25 @@ def port_closed(address: str, timeout: float = 15.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
+
+
+def topmost(pids: list) -> list:
+    """The processes of ``pids`` whose parent is not among them (not forked children)."""
+    s = set(pids)
+    out = []
+    for p in pids:
+        try:
+            if int(_stat(p)[1]) not in s:
+                out.append(p)
+        except OSError:
+            pass
+    return out
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid``, space-separated ("" when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

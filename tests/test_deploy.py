@@ -101,6 +101,7 @@ def test_the_pods_commands_parse_as_pathways_run_would_see_them(monkeypatch):
     monkeypatch.setenv("PATHWAYS_COORDINATOR_HOST", "pw-coordinator-0-0.pw")
     monkeypatch.setenv("PATHWAYS_ISLAND", "1")
     monkeypatch.setenv("NODE_RANK", "2")
+    monkeypatch.setenv("PATHWAYS_TOKEN", "s3cret")       # from the token Secret
     a = launch.parse(workers["command"][1:])
     assert a.worker and a.coordinator_address == "pw-coordinator-0-0.pw:7000"
     assert (a.island, a.node_rank, a.devices_per_host) == (1, 2, 8)

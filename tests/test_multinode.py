@@ -224,3 +224,74 @@ def test_ctrl_c_of_a_client_leaves_the_cluster_serving(tmp_path, sig):
     finally:
         for p in workers + [coord]:
             p.stop()
+
+
+def test_a_batch_job_forms_restarts_a_dead_agent_and_ends_when_its_client_does(tmp_path):
+    """What a scheduler's job does (TorchX, Slurm): every process started at once, the
+    token from a file, workers placed by replica id, an agent that dies started again
+    by its supervisor (--max-restarts), a client that waits for every host
+    (--wait-for-hosts) and shuts the cluster down when it ends (--shutdown-cluster):
+    then every process exits 0, so the scheduler sees the job end."""
+    from procs import cmdline, topmost, with_cmdline
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    env = base_env(token=None)
+    coord = Proc(["--coordinator", "--port", "0", "--token-file", str(token_file)], env,
+                 tmp_path, "coordinator")
+    line = coord.wait_for("PATHWAYS_COORDINATOR_PORT=")
+    address = f"127.0.0.1:{int(line.split('PATHWAYS_COORDINATOR_PORT=')[1].split()[0])}"
+    workers = [Proc(["--worker", "--coordinator-address", address, "--replica-id", str(r),
+                     "--hosts-per-island", "1", "--devices-per-host", "2",
+                     "--max-restarts", "1", "--register-timeout", "60",
+                     "--token-file", str(token_file)], env, tmp_path, f"worker{r}")
+               for r in (0, 1)]
+    try:
+        assert registered(address, 2)
+        # The agent of island 1 dies: its supervisor starts it again, it re-registers.
+        (agent,) = topmost([p for p in with_cmdline(f"--coordinator {address}")
+                            if "pathways_torch.worker" in cmdline(p)
+                            and "--island 1 " in cmdline(p)])
+        os.kill(agent, signal.SIGKILL)
+        workers[1].wait_for("starting it again")
+        assert registered(address, 2, timeout=60)
+
+        script = tmp_path / "client.py"
+        script.write_text(CLIENT)
+        r = subprocess.run(RUN + ["--address", address, "--wait-for-hosts", "2",
+                                  "--shutdown-cluster", "--token-file", str(token_file),
+                                  str(script)], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "RESULT [0.0, 4.0, 8.0, 12.0]" in r.stdout
+        for p in [coord] + workers:
+            assert p.p.wait(30) == 0, p.text()[-3000:]
+        assert "the cluster is shutting down" in workers[0].text()
+        assert port_closed(address)
+    finally:
+        for p in workers + [coord]:
+            p.stop()
+    assert wait_gone(with_cmdline(address)) == []
+
+
+def test_launcher_flags_of_batch_jobs_say_what_is_wrong(tmp_path, capsys):
+    from pathways_torch import launch
+    a = launch.parse(["--worker", "--coordinator-address", "127.0.0.1:7000",
+                      "--replica-id", "5", "--hosts-per-island", "2"])
+    assert (a.island, a.node_rank) == (2, 1)
+    cases = [
+        (["--worker", "--coordinator-address", "127.0.0.1:1", "--token-file",
+          str(tmp_path / "missing")], "cannot read the cluster token file"),
+        (["--worker", "--coordinator-address", "192.0.2.1:7000", "--bind-host",
+          "0.0.0.0"], "needs the shared token"),
+        (["--worker", "--coordinator-address", "192.0.2.1:7000", "--token", "x"],
+         "--bind-host 0.0.0.0"),
+        (["--shutdown-cluster", "script.py"], "for a client of a running cluster"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            launch.parse(argv)
+        assert message in capsys.readouterr().err
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SystemExit):
+        launch.parse(["--coordinator", "--token-file", str(tmp_path / "empty")])
+    assert "is empty" in capsys.readouterr().err

@@ -40,6 +40,8 @@ ANSWER_EVERY = 2
 SESSION_GRACE_S = 60.0
 MAX_HOSTS = 16384
 MAX_SESSIONS = 1024
+# After Shutdown, answer "shut down" this long to workers still registering.
+SHUTDOWN_LINGER_S = 2.0
 
 
 class _Abort(Exception):
@@ -102,13 +104,15 @@ def _answers(handler):
 class _Peer:
     """One session stream (a worker's or a client's) and its read deadline."""
 
-    __slots__ = ("key", "deadline_s", "last", "task", "reason", "kind")
+    __slots__ = ("key", "deadline_s", "last", "task", "reason", "kind", "context", "lock")
 
-    def __init__(self, key: str, kind: str, deadline_s: float) -> None:
+    def __init__(self, key: str, kind: str, deadline_s: float, context=None) -> None:
         self.key, self.kind, self.deadline_s = key, kind, deadline_s
         self.last = time.monotonic()
         self.task: Optional[asyncio.Task] = asyncio.current_task()
         self.reason = ""
+        self.context = context
+        self.lock = asyncio.Lock()      # one write at a time on the stream
 
 
 class _Session:
@@ -185,6 +189,8 @@ class CoordinatorService(pbg.CoordinatorServicer):
         self.rec = tracing.Recorder(tracing.skew_from_env())
         # profile session -> {worker_id: (agent session, clock samples at start)}
         self._profiles: dict = {}
+        self.stopped = asyncio.Event()  # set by Shutdown: _serve stops the server
+        self._shutdown_reason = ""
 
     # ------------------------------------------------------------------ plumbing
     def _spawn(self, coro) -> None:
@@ -207,19 +213,28 @@ class CoordinatorService(pbg.CoordinatorServicer):
                     log.warning("%s %s is %s", peer.kind, peer.key, peer.reason)
                     peer.task.cancel()
 
-    # ------------------------------------------------------------------ workers
-    async def RegisterWorker(self, request_iterator, context):
-        """A worker's session: registered while this stream lives and beats; lost when
-        it breaks (a killed worker's connection closes at once) or goes silent."""
+    async def _opening(self, context, method: str, field: str, what: str):
+        """The first message of a session stream: its ``field``, or the call aborted."""
         try:
             first = await _read(context, self.lost_after_s)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"no registration within {self.lost_after_s:g} s")
-        if first is grpc.aio.EOF or not first.HasField("register"):
+                                f"no {what} within {self.lost_after_s:g} s")
+        if first is grpc.aio.EOF or not first.HasField(field):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first message of RegisterWorker must carry register")
-        request = first.register
+                                f"the first message of {method} must carry {field}")
+        return getattr(first, field)
+
+    # ------------------------------------------------------------------ workers
+    async def RegisterWorker(self, request_iterator, context):
+        """A worker's session: registered while this stream lives and beats; lost when
+        it breaks (a killed worker's connection closes at once) or goes silent."""
+        request = await self._opening(context, "RegisterWorker", "register",
+                                      "registration")
+        if self._shutdown_reason:
+            await context.write(pb.WorkerEvent(shutdown=True,
+                                               shutdown_reason=self._shutdown_reason))
+            return
         try:
             _check(validate.check_register_worker, request)
             if self.rm.live_hosts >= self.max_hosts:
@@ -237,7 +252,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
         wid = h.worker_id
         ch = grpc_util.aio_channel(request.address)
         self._agents[wid] = (ch, pbg.WorkerStub(ch), request.address)
-        peer = self._peers[wid] = _Peer(wid, "worker", self.lost_after_s)
+        peer = self._peers[wid] = _Peer(wid, "worker", self.lost_after_s, context)
         if self.rec.on:
             t = self.rec.now()
             self.rec.add("session", "worker registered", t, t,
@@ -246,16 +261,18 @@ class CoordinatorService(pbg.CoordinatorServicer):
                  wid, h.island, h.host, h.num_devices, h.kind, h.address)
         reason = "its connection closed"
         try:
-            await context.write(pb.WorkerEvent(
-                worker_id=wid, heartbeat_s=self.heartbeat_s,
-                lost_after_s=peer_deadline(self.heartbeat_s, self.lost_after_s)))
+            async with peer.lock:
+                await context.write(pb.WorkerEvent(
+                    worker_id=wid, heartbeat_s=self.heartbeat_s,
+                    lost_after_s=peer_deadline(self.heartbeat_s, self.lost_after_s)))
             while True:
                 msg = await _read(context)
                 if msg is grpc.aio.EOF:
                     break
                 peer.last = time.monotonic()
                 if msg.beat and msg.beat % ANSWER_EVERY == 0:
-                    await context.write(pb.WorkerEvent(beat=msg.beat))
+                    async with peer.lock:
+                        await context.write(pb.WorkerEvent(beat=msg.beat))
         except asyncio.CancelledError:
             reason = peer.reason or reason
             raise
@@ -285,20 +302,31 @@ class CoordinatorService(pbg.CoordinatorServicer):
 
     @_answers
     async def ListDevices(self, request, context):
-        # The reply is bytes (see _DeviceTable and _handlers).
+        # The reply is bytes (see _DeviceTable and add_to_server).
         return self._table.reply(self.rm, request.island if request.has_island else None)
+
+    @_answers
+    async def Shutdown(self, request, context):
+        """Tell every worker to exit, then stop (a batch job's end: every process of
+        the job exits 0). Workers that register later are told the same."""
+        reason = request.reason[:200] or "asked by a client"
+        if not self._shutdown_reason:
+            self._shutdown_reason = reason
+            log.warning("shutting the cluster down: %s", reason)
+            for peer in [p for p in self._peers.values() if p.kind == "worker"]:
+                try:
+                    async with peer.lock:
+                        await peer.context.write(pb.WorkerEvent(shutdown=True,
+                                                                shutdown_reason=reason))
+                except Exception as e:          # a stream that is breaking anyway
+                    log.info("could not tell worker %s to stop: %s", peer.key, e)
+            self.stopped.set()
+        return pb.Empty()
 
     # ------------------------------------------------------------------ clients
     async def OpenSession(self, request_iterator, context):
-        try:
-            first = await _read(context, self.lost_after_s)
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"no OpenSession request within {self.lost_after_s:g} s")
-        if first is grpc.aio.EOF or not first.HasField("open"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first message of OpenSession must carry open")
-        request = first.open
+        request = await self._opening(context, "OpenSession", "open",
+                                      "OpenSession request")
         try:
             _check(validate.check_open_session, request)
         except _Abort as e:
@@ -553,7 +581,8 @@ def add_to_server(service: CoordinatorService, server) -> None:
     for name, req, rep in (("AllocateSlice", pb.AllocateSliceRequest, pb.AllocateSliceReply),
                            ("ReleaseSlice", pb.ReleaseSliceRequest, pb.Empty),
                            ("Schedule", pb.ScheduleRequest, pb.ScheduleReply),
-                           ("Profile", pb.ProfileRequest, pb.ProfileReply)):
+                           ("Profile", pb.ProfileRequest, pb.ProfileReply),
+                           ("Shutdown", pb.ShutdownRequest, pb.Empty)):
         handlers[name] = H.unary_unary_rpc_method_handler(
             getattr(service, name), request_deserializer=_decoder(req),
             response_serializer=rep.SerializeToString)
@@ -628,7 +657,12 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     # The embedded cluster and pathways-run read this line to learn the port.
     print(f"PATHWAYS_COORDINATOR_PORT={port}", flush=True)
-    await stop.wait()
+    stopped = asyncio.ensure_future(service.stopped.wait())
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), stopped],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if stopped.done():
+        # Linger so that workers still starting hear "shut down" rather than nothing.
+        await asyncio.sleep(getattr(args, "shutdown_linger_s", SHUTDOWN_LINGER_S))
     sweeper.cancel()
     await srv.stop(0.5)
 

@@ -33,6 +33,7 @@ from ..errors import PathwaysError
 #: Tensors travel in codec.CHUNK_BYTES pieces, far below it (tests/test_validation.py).
 MAX_MESSAGE_BYTES = 64 << 20
 TOKEN_ENV = "PATHWAYS_TOKEN"
+TOKEN_FILE_ENV = "PATHWAYS_TOKEN_FILE"
 TOKEN_KEY = "x-pathways-token"
 TLS_CERT_ENV = "PATHWAYS_TLS_CERT"
 TLS_KEY_ENV = "PATHWAYS_TLS_KEY"
@@ -61,8 +62,29 @@ _token: Optional[str] = None
 
 
 def token() -> str:
-    """The cluster token of this process ("" when none): set_token's, or PATHWAYS_TOKEN."""
-    return _token if _token is not None else os.environ.get(TOKEN_ENV, "")
+    """The cluster token of this process ("" when none): set_token's, PATHWAYS_TOKEN, or
+    the first line of the file PATHWAYS_TOKEN_FILE names (a mounted secret: the token
+    itself never appears in a job's description or environment)."""
+    if _token is not None:
+        return _token
+    value = os.environ.get(TOKEN_ENV, "")
+    path = os.environ.get(TOKEN_FILE_ENV, "")
+    return value if value or not path else token_from_file(path)
+
+
+@lru_cache(maxsize=4)
+def token_from_file(path: str) -> str:
+    """The token in ``path`` (its first line, stripped); a clear error when unreadable."""
+    try:
+        with open(path) as f:
+            value = f.readline().strip()
+    except OSError as e:
+        raise PathwaysError(f"cannot read the cluster token file {path!r} "
+                            f"({TOKEN_FILE_ENV}, --token-file): {e.strerror}") from None
+    if not value:
+        raise PathwaysError(f"the cluster token file {path!r} is empty: write the token "
+                            "on its first line")
+    return value
 
 
 def set_token(value: Optional[str]) -> None:
@@ -336,20 +358,25 @@ class _ExplainRefusal(grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClient
                                 self._explain)
 
 
+def _tls_channel_args(cfg: TLSFiles) -> tuple:
+    """(credentials, options) of a TLS channel with this process's files."""
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read(cfg.ca) if cfg.ca else None,
+        private_key=_read(cfg.key) if cfg.key else None,
+        certificate_chain=_read(cfg.cert) if cfg.cert else None)
+    options = OPTIONS
+    if cfg.server_name:
+        options = OPTIONS + [("grpc.ssl_target_name_override", cfg.server_name)]
+    return creds, options
+
+
 def channel(address: str) -> grpc.Channel:
     """A channel to ``address`` with this process's TLS settings and token."""
     cfg = tls()
     if cfg is None:
         ch = grpc.insecure_channel(address, options=OPTIONS)
     else:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=_read(cfg.ca) if cfg.ca else None,
-            private_key=_read(cfg.key) if cfg.key else None,
-            certificate_chain=_read(cfg.cert) if cfg.cert else None)
-        options = OPTIONS
-        if cfg.server_name:
-            options = OPTIONS + [("grpc.ssl_target_name_override", cfg.server_name)]
-        ch = grpc.secure_channel(address, creds, options=options)
+        ch = grpc.secure_channel(address, *_tls_channel_args(cfg))
     ch = grpc.intercept_channel(ch, _ExplainRefusal(address, cfg is not None))
     t = token()
     return grpc.intercept_channel(ch, _AddToken(t)) if t else ch
@@ -411,14 +438,7 @@ def aio_channel(address: str) -> "grpc.aio.Channel":
     cfg = tls()
     if cfg is None:
         return grpc.aio.insecure_channel(address, options=OPTIONS)
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=_read(cfg.ca) if cfg.ca else None,
-        private_key=_read(cfg.key) if cfg.key else None,
-        certificate_chain=_read(cfg.cert) if cfg.cert else None)
-    options = OPTIONS
-    if cfg.server_name:
-        options = OPTIONS + [("grpc.ssl_target_name_override", cfg.server_name)]
-    return grpc.aio.secure_channel(address, creds, options=options)
+    return grpc.aio.secure_channel(address, *_tls_channel_args(cfg))
 
 
 def call_metadata() -> Optional[tuple]:

@@ -69,6 +69,11 @@ class CoordinatorStub(object):
                 request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.SerializeToString,
                 response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.FromString,
                 _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/pathways.Coordinator/Shutdown',
+                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer(object):
@@ -121,6 +126,12 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Shutdown(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +169,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Profile,
                     request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.FromString,
                     response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ShutdownRequest.FromString,
+                    response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +365,33 @@ class Coordinator(object):
             '/pathways.Coordinator/Profile',
             pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.SerializeToString,
             pathways__torch_dot_rpc_dot_pathways__pb2.ProfileReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.Coordinator/Shutdown',
+            pathways__torch_dot_rpc_dot_pathways__pb2.ShutdownRequest.SerializeToString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

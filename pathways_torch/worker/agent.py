@@ -193,16 +193,22 @@ class _Session:
     breaks, or the coordinator says nothing for ``lost_after_s`` (a hung machine, a dead switch: the connection
     stays open), the worker stops its executors, whose slices the coordinator no longer
     knows, and registers again: with the next of its coordinator addresses (a
-    comma-separated list), retrying until one answers.
+    comma-separated list), retrying until one answers (or, with ``reregister_timeout``,
+    for that long: then ``ended`` is 1). When the coordinator says the cluster is shutting
+    down (``Coordinator.Shutdown``), ``ended`` is 0: the agent exits cleanly.
     """
 
-    def __init__(self, addresses: str, req, service, timeout: float) -> None:
+    def __init__(self, addresses: str, req, service, timeout: float,
+                 reregister_timeout: float = 0.0) -> None:
         self.addresses = [a.strip() for a in addresses.split(",") if a.strip()]
         self._next = 0
         self.address = self.addresses[0]
         self.req, self.service = req, service
         self.timeout = timeout          # for the first registration; 0: forever
+        self.reregister_timeout = reregister_timeout    # for the later ones; 0: forever
+        self.ended: Optional[int] = None    # the exit code, once the session is over
         self.events = None
+        self._channel = None
         self.heartbeat_s, self.lost_after_s = 1.0, 10.0
         self._heard = time.monotonic()
 
@@ -242,6 +248,13 @@ class _Session:
                 first = grpc_util.first_event(self.events, max(self.lost_after_s, 10.0),
                                               "the coordinator's registration reply")
                 self._heard = time.monotonic()
+                if first.shutdown:
+                    channel.close()
+                    self._shut_down(first.shutdown_reason)
+                    return False
+                if self._channel is not None:
+                    self._channel.close()       # the previous registration's
+                self._channel = channel
                 self.heartbeat_s = first.heartbeat_s or self.heartbeat_s
                 self.lost_after_s = first.lost_after_s or self.lost_after_s
                 log.info("registered as %s with %s", first.worker_id, self.address)
@@ -263,18 +276,31 @@ class _Session:
     def first_registration(self) -> bool:
         return self._register(time.monotonic() + self.timeout if self.timeout else None)
 
+    def _shut_down(self, reason: str) -> None:
+        print(f"worker island {self.req.island} host {self.req.host}: the cluster is "
+              f"shutting down ({reason}); exiting", file=sys.stderr, flush=True)
+        self.ended = 0
+
     def hold(self) -> None:
+        """Follow the coordinator's events until the session ends (``ended`` is set)."""
         import grpc
         while True:
             try:
-                for _ in self.events:
+                for ev in self.events:
                     self._heard = time.monotonic()
+                    if ev.shutdown:
+                        self._shut_down(ev.shutdown_reason)
+                        return
             except grpc.RpcError:
                 pass
             log.warning("lost the coordinator at %s; registering again", self.address)
             self.service.stop_all()
             self._next += 1
-            self._register(None)
+            t = self.reregister_timeout
+            if not self._register(time.monotonic() + t if t else None):
+                if self.ended is None:
+                    self.ended = 1
+                return
 
 
 def main(argv=None) -> None:
@@ -313,6 +339,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--register-timeout", type=float, default=120.0,
                     help="give up when the coordinator is not up within this many seconds "
                     "(0: retry forever)")
+    ap.add_argument("--reregister-timeout", type=float, default=0.0,
+                    help="after losing the coordinator, give up (exit 1) when none answers "
+                    "for this many seconds (0: retry forever)")
     from ..rpc import grpc_util
     grpc_util.add_tls_arguments(ap)
 
@@ -361,15 +390,16 @@ def serve(args: argparse.Namespace) -> None:
     req = pb.RegisterWorkerRequest(island=args.island, host=args.host,
                                    num_devices=num_devices, kind=kind,
                                    address=service.address, pid=os.getpid())
-    session = _Session(args.coordinator, req, service, args.register_timeout)
+    session = _Session(args.coordinator, req, service, args.register_timeout,
+                       getattr(args, "reregister_timeout", 0.0))
     if not session.first_registration():
         zygote.stop()
-        os._exit(1)
+        os._exit(session.ended if session.ended is not None else 1)
     threading.Thread(target=session.hold, name="coordinator-session", daemon=True).start()
     try:
-        _proc.serve_until_signal(srv)
+        _proc.serve_until_signal(srv, until=lambda: session.ended is not None)
     finally:
         service.stop_all()
         zygote.stop()
         arbiter.close()
-    os._exit(0)
+    os._exit(session.ended or 0)
