@@ -73,7 +73,7 @@ def gone(port):
 def test_local_cwd_runs_the_two_island_recipe_and_matches_torch(tmp_path):
     port = free_port()
     r = torchx(local_run(tmp_path, port, "--script", "recipes/two_islands.py", "--",
-                         "--steps", "3", "--check"), tmp_path)
+                         "--steps", "3", "--check"), tmp_path, monkeypatch)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "job finished: SUCCEEDED" in out
@@ -93,7 +93,7 @@ def test_a_client_that_fails_fails_the_app_with_its_error_in_the_log(tmp_path):
     script.write_text("import pathways_torch as pw\npw.init()\n"
                       "raise RuntimeError('the client failed on purpose')\n")
     port = free_port()
-    r = torchx(local_run(tmp_path, port, "--script", str(script)), tmp_path)
+    r = torchx(local_run(tmp_path, port, "--script", str(script)), tmp_path, monkeypatch)
     out = r.stdout + r.stderr
     assert "job finished: FAILED" in out, out[-4000:]
     assert "client/0" in out and "RuntimeError: the client failed on purpose" in out
@@ -143,7 +143,8 @@ def app(**kw):
     return component.cluster("--steps", "10", **args)
 
 
-def test_the_slurm_dry_run_is_one_heterogeneous_job_with_the_coordinator_first(tmp_path):
+def test_the_slurm_dry_run_is_one_heterogeneous_job_with_the_coordinator_first(
+        tmp_path, monkeypatch):
     info = get_runner().dryrun(app(), "slurm", cfg={})
     req = info.request
     names = list(req.replicas)
@@ -162,18 +163,20 @@ def test_the_slurm_dry_run_is_one_heterogeneous_job_with_the_coordinator_first(t
             assert env["CPU_NUM_DEVICES"] == "4" and env["PJRT_DEVICE"] == "CPU"
             assert replica.sbatch_opts["cpus-per-task"] == "16"
             # what the replica runs, through pathways-run's parser
-            a = _parse(argv, {**env, "SLURM_JOB_NODELIST_HET_GROUP_0": "n1"}, tmp_path)
+            a = _parse(argv, {**env, "SLURM_JOB_NODELIST_HET_GROUP_0": "n1"}, tmp_path,
+                       monkeypatch)
             rid = int(n.split("-")[1])
             assert (a.island, a.node_rank) == divmod(rid, 2)
             assert a.coordinator_address == "n1:7000" and a.bind_host == "0.0.0.0"
         if n.startswith("client"):
-            a = _parse(argv, {**env, "SLURM_JOB_NODELIST_HET_GROUP_0": "n1"}, tmp_path)
+            a = _parse(argv, {**env, "SLURM_JOB_NODELIST_HET_GROUP_0": "n1"}, tmp_path,
+                       monkeypatch)
             assert a.address == "n1:7000" and a.wait_for_hosts == 4
             assert a.shutdown_cluster and a.script == "train.py"
             assert a.script_args == ["--steps", "10"]
 
 
-def _parse(argv, env, tmp_path):
+def _parse(argv, env, tmp_path, monkeypatch):
     """pathways-run's view of ``python -m pathways_torch ARGS`` under ``env`` (with the
     token file it names replaced by a real one: what the node's shared file holds)."""
     assert argv[:2] == ["-m", "pathways_torch"], argv
@@ -181,23 +184,20 @@ def _parse(argv, env, tmp_path):
         token = tmp_path / "token"
         token.write_text("s3cret\n")
         env = {**env, "PATHWAYS_TOKEN_FILE": str(token)}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            if v is not None:
+                m.setenv(k, v)
         return launch.parse(argv[2:])
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
-def test_the_kubernetes_dry_run_mounts_secrets_and_restarts_workers(tmp_path):
+def test_the_kubernetes_dry_run_mounts_secrets_and_restarts_workers(tmp_path,
+                                                                    monkeypatch):
     pytest.importorskip("kubernetes")
     a = app(token_file=None, token_secret="pw-token", tls_secret="pw-tls",
             image="ghcr.io/me/pathways:1", max_restarts=2, pjrt_device="TPU")
-    job = get_runner().dryrun(a, "kubernetes", cfg={"queue": "default", "validate_spec": False}).request.resource
+    cfg = {"queue": "default", "validate_spec": False}     # no API server to validate with
+    job = get_runner().dryrun(a, "kubernetes", cfg=cfg).request.resource
     tasks = job["spec"]["tasks"]
     assert [t["name"] for t in tasks] == ["coordinator-0", "worker-0", "worker-1",
                                           "worker-2", "worker-3", "client-0"]
@@ -218,7 +218,7 @@ def test_the_kubernetes_dry_run_mounts_secrets_and_restarts_workers(tmp_path):
         if t["name"].startswith("worker"):
             assert env["PJRT_DEVICE"] == "TPU" and "CPU_NUM_DEVICES" not in env
             a = _parse(c.command[1:], {**env, "VC_COORDINATOR_0_HOSTS":
-                                       "pw-coordinator-0.pw"}, tmp_path)
+                                       "pw-coordinator-0.pw"}, tmp_path, monkeypatch)
             assert a.coordinator_address == "pw-coordinator-0.pw:7000"
             assert a.max_restarts == 2
             assert c.resources.limits["cpu"] == "16000m"
