@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pathways-installed
 
-.PHONY: demo test bench proto clean-venv
+.PHONY: demo test bench proto clean-venv test-slurm
 
 $(STAMP): requirements.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 # and regenerates docs/evaluation.md with its plots (bench/report.py). 8-15 minutes on 2 cores.
 bench: $(BENCH_STAMP)
 	$(PY) bench/run_all.py
+
+# A real Slurm 22.05 cluster of 4 emulated nodes on this machine (apt-get installs
+# slurm-wlm and munge if missing), Pathways run on it through deploy/slurm/pathways.sbatch
+# and TorchX's slurm scheduler, one run with a worker killed mid-training; writes
+# bench/slurm.json. Needs root, changes /etc/hosts and /etc/slurm while it runs (restored
+# at the end, also on failure): not part of `make test`. Several minutes.
+test-slurm: $(STAMP)
+	$(PY) tests/slurm/harness.py
 
 # Regenerate the committed gRPC stubs from proto/pathways.proto.
 proto: $(STAMP)

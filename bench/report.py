@@ -878,11 +878,66 @@ def scale(rep: Report) -> None:
     rep.plot("scale.png", fig)
 
 
+def slurm(rep: Report) -> None:
+    """From bench/slurm.json (`make test-slurm`), not results.json: it needs root."""
+    rep.add("## Slurm (make test-slurm)\n")
+    path = ROOT / "bench" / "slurm.json"
+    if not path.exists():
+        rep.add("*Not run on this machine*: `make test-slurm` (root; a Slurm cluster of 4 "
+                "emulated nodes on this machine) writes `bench/slurm.json`.\n")
+        return
+    res = json.loads(path.read_text())
+    checks = res.get("checks") or {}
+    rep.add(f"`make test-slurm` last ran {res.get('date', '–')}: Slurm "
+            f"{res.get('slurm_version') or '–'} (Debian's slurm-wlm) with 4 emulated nodes "
+            f"on this one machine ({res.get('machine', '–')}), {res.get('layout', '–')}, "
+            "a token file; recipes/two_islands.py --steps 3 --check (losses against plain "
+            "torch) as the client. Times from submission (`sbatch`, `torchx run`) to the "
+            "client's first step and to the job's end, one run each, on the machine's 2 "
+            f"shared cores (the elastic client prints no progress line: its first result "
+            f"is step 1 written to its progress file); the whole run took "
+            f"{num(res.get('total_s'), 0)} s.\n")
+    paths = [("sbatch", "`deploy/slurm/pathways.sbatch`, 3 nodes"),
+             ("torchx", "TorchX slurm scheduler, heterogeneous job, 4 nodes"),
+             ("elastic", "`pathways.sbatch`, island 1's agent SIGKILLed at step 3 "
+                         "(tests/deploy_elastic_client.py, 12 steps)")]
+    rows = []
+    for key, what in paths:
+        c = checks.get(key)
+        if c is None:
+            rows.append([what, "–", "–", "not run"])
+            continue
+        if "skipped" in c:
+            verdict = f"skipped: {c['skipped']}"
+        elif c.get("passed"):
+            verdict = "passed"
+            if key == "elastic":
+                verdict += (f" ({c.get('restarts')} restart: fit resumed from the "
+                            f"checkpoint of step {c.get('resumed_from_step')} "
+                            f"{num(c.get('kill_to_resumed_s'), 1)} s after the kill; "
+                            "losses match torch)")
+            elif c.get("max_rel_diff") is not None:
+                verdict += f" (losses within {c['max_rel_diff']:.0e} of torch)"
+        else:
+            err = (c.get("error") or "").strip().splitlines()
+            verdict = "**failed**" + (f": {err[0][:120]}" if err else "")
+        rows.append([what, f"{num(c.get('first_result_s'))} s"
+                     if c.get("first_result_s") is not None else "–",
+                     f"{num(c.get('total_s'))} s" if c.get("total_s") is not None else "–",
+                     verdict])
+    rep.add(table(["path", "submission to first result", "total", "result"], rows) + "\n")
+    if (checks.get("torchx") or {}).get("squeue_shim"):
+        rep.add("TorchX ran with a `squeue` shim: Slurm 22.05's `squeue --json` leaves "
+                "`job_resources` out of a pending job and TorchX's slurm scheduler fails on "
+                "it (`KeyError: 'job_resources'`); the shim adds `\"job_resources\": null`, "
+                "as Slurm 24.11.5+ prints.\n")
+
+
 def render(results: dict):
     """The report's markdown and the names of the plots written for it."""
     rep = Report(results)
     for section in (fig5, fig6, fig7, fig9, training, dcn, ray_section, runtime, soak,
-                    faults, scale):
+                    faults, scale, slurm):
         section(rep)
     meta = results.get("_meta", {})
     wall = meta.get("total_wall_s")

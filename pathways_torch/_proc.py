@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import time
 from typing import Callable, Optional
 
@@ -37,3 +38,14 @@ def serve_until_signal(server, until: Optional[Callable[[], bool]] = None) -> No
     while not stop and not (until is not None and until()):
         time.sleep(0.2)
     server.stop(grace=0.5).wait(5)
+
+
+def remove_torch_tempdir() -> None:
+    """Remove the folder torch.distributed.nn makes in TMPDIR at import: it goes at
+    interpreter exit, which ``os._exit`` skips (one folder left per worker otherwise)."""
+    mod = sys.modules.get("torch.distributed.nn.jit.instantiator")
+    if mod is not None:
+        try:
+            mod._TEMP_DIR.cleanup()
+        except Exception:               # private to torch: never fail an exit over it
+            pass

@@ -47,6 +47,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import List, Optional
 
 from .client.cluster import ADDRESS_ENV
@@ -279,8 +280,11 @@ def _supervise(args: argparse.Namespace) -> int:
     restarts, backoff = 0, 1.0
     where = f"worker island {args.island} host {args.node_rank}"
     while True:
-        child = subprocess.Popen(_agent_command(args))
-        code = child.wait()
+        # Its own TMPDIR, removed after it: a killed agent leaves its sockets there.
+        with tempfile.TemporaryDirectory(prefix="pathways-worker-",
+                                         ignore_cleanup_errors=True) as tmp:
+            child = subprocess.Popen(_agent_command(args), env=dict(os.environ, TMPDIR=tmp))
+            code = child.wait()
         if code == 0 or stopping:
             return 0 if code == 0 else (128 - code if code < 0 else code)
         if restarts >= args.max_restarts:
