@@ -73,7 +73,7 @@ def gone(port):
 def test_local_cwd_runs_the_two_island_recipe_and_matches_torch(tmp_path):
     port = free_port()
     r = torchx(local_run(tmp_path, port, "--script", "recipes/two_islands.py", "--",
-                         "--steps", "3", "--check"), tmp_path, monkeypatch)
+                         "--steps", "3", "--check"), tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "job finished: SUCCEEDED" in out
@@ -93,7 +93,7 @@ def test_a_client_that_fails_fails_the_app_with_its_error_in_the_log(tmp_path):
     script.write_text("import pathways_torch as pw\npw.init()\n"
                       "raise RuntimeError('the client failed on purpose')\n")
     port = free_port()
-    r = torchx(local_run(tmp_path, port, "--script", str(script)), tmp_path, monkeypatch)
+    r = torchx(local_run(tmp_path, port, "--script", str(script)), tmp_path)
     out = r.stdout + r.stderr
     assert "job finished: FAILED" in out, out[-4000:]
     assert "client/0" in out and "RuntimeError: the client failed on purpose" in out

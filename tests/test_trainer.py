@@ -196,8 +196,12 @@ def test_pipeline_losses_equal_plain_torch(cluster8, stages, microbatches):
         homes = {n: a.slice for n, a in tr.params.items()}
         assert len(set(map(id, homes.values()))) == stages
         trained = tr.sync_to(copy.deepcopy(model))
+        # Within 1% of one AdamW step (lr 1e-2): the pipeline sums micro-batch gradients
+        # in another order than one full-batch backward, and Adam's normalized update
+        # turns rounding in near-zero gradients into steps of up to lr (3.9e-5 seen for
+        # 4.weight on one EPYC machine; 1e-5 held on another).
         for (n, a), b in zip(trained.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=n)
     finally:
         for s in slices:
             s.release()
