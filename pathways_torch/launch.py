@@ -199,8 +199,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 ap.error(f"the coordinator ({host}) is on another machine, which cannot "
                          f"reach a worker bound to {args.bind_host}: give --bind-host "
                          "0.0.0.0 (or this host's address)")
-            if not (args.token or args.token_file or os.environ.get(grpc_util.TOKEN_ENV)
-                    or os.environ.get(grpc_util.TOKEN_FILE_ENV)):
+            if not (args.token or args.token_file or os.environ.get(grpc_util.TOKEN_ENV)):
                 ap.error(f"the coordinator ({host}) is on another machine: a cluster beyond "
                          "one machine needs the shared token on every node: --token-file "
                          f"PATH (or {grpc_util.TOKEN_ENV})")
@@ -247,6 +246,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     return _run_client(args)
 
 
+def _status(code: int) -> int:
+    """A child's return code as a shell would report it (killed by signal N: 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
 def _agent_command(args: argparse.Namespace) -> List[str]:
     cmd = [sys.executable, "-m", "pathways_torch.worker",
            "--coordinator", args.coordinator_address, "--island", str(args.island),
@@ -286,12 +290,12 @@ def _supervise(args: argparse.Namespace) -> int:
             child = subprocess.Popen(_agent_command(args), env=dict(os.environ, TMPDIR=tmp))
             code = child.wait()
         if code == 0 or stopping:
-            return 0 if code == 0 else (128 - code if code < 0 else code)
+            return _status(code)
         if restarts >= args.max_restarts:
             print(f"pathways-run: {where}: the agent exited with code {code}; it was "
                   f"restarted {restarts} times (--max-restarts {args.max_restarts}), not "
                   "again", file=sys.stderr, flush=True)
-            return 128 - code if code < 0 else code
+            return _status(code)
         restarts += 1
         print(f"pathways-run: {where}: the agent exited with code {code}; starting it "
               f"again in {backoff:g} s ({restarts}/{args.max_restarts})", file=sys.stderr,
@@ -323,7 +327,9 @@ def _run_client(args: argparse.Namespace) -> int:
     code = 1
     try:
         if args.wait_for_hosts:
-            _wait_for_hosts(args.address, args.wait_for_hosts, args.register_timeout)
+            from .client.cluster import wait_for_hosts
+            wait_for_hosts(args.address, args.wait_for_hosts, args.register_timeout or 300.0,
+                           hint="check the workers' logs (--register-timeout waits longer)")
         child = subprocess.Popen(cmd, env=env)
         code = child.wait()
     except PathwaysError as e:
@@ -339,41 +345,7 @@ def _run_client(args: argparse.Namespace) -> int:
         if args.shutdown_cluster:
             _shutdown_cluster(args.address, f"the client {args.script} exited with code "
                               f"{code}")
-    if code < 0:
-        code = 128 - code
-    return code
-
-
-def _wait_for_hosts(address: str, hosts: int, timeout: float) -> None:
-    """Block until ``hosts`` hosts have registered with the coordinator at ``address``."""
-    import time
-
-    import grpc
-
-    from .rpc import pathways_pb2 as pb
-    from .rpc import pathways_pb2_grpc as pbg
-    deadline = time.monotonic() + (timeout or 300.0)
-    seen, why = 0, "no answer yet"
-    with grpc_util.channel(address) as ch:
-        stub = pbg.CoordinatorStub(ch)
-        while True:
-            try:
-                seen = stub.ListDevices(pb.ListDevicesRequest(), timeout=5,
-                                        wait_for_ready=True).registered_workers
-                if seen >= hosts:
-                    return
-                why = f"{seen} of {hosts} hosts registered"
-            except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.UNAUTHENTICATED,
-                                grpc.StatusCode.PERMISSION_DENIED):
-                    raise PathwaysError(f"the coordinator at {address} refused this client: "
-                                        f"{e.details()}") from None
-                why = f"the coordinator did not answer ({e.code().name})"
-            if time.monotonic() > deadline:
-                raise PathwaysError(
-                    f"the cluster at {address} is not complete after {timeout or 300:g} s: "
-                    f"{why}; check the workers' logs (--register-timeout waits longer)")
-            time.sleep(0.5)
+    return _status(code)
 
 
 def _shutdown_cluster(address: str, reason: str) -> None:

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -68,6 +68,42 @@ class _Worker:
     restarts: int = 0               # in a row (see STABLE_S)
     due: Optional[float] = None     # when a pending restart starts (monotonic)
     gave_up: bool = False
+
+
+def wait_for_hosts(address: str, want: int, timeout: float, *,
+                   check: Optional[Callable[[], None]] = None, hint: str = "",
+                   poll_s: float = 0.5) -> None:
+    """Block until ``want`` hosts have registered with the coordinator at ``address``
+    (``check()`` runs before each poll and may raise). Raises ``pw.TimeoutError`` past
+    ``timeout`` seconds, and ``PathwaysError`` at once when the coordinator refuses us.
+
+    Example::
+
+        wait_for_hosts("node0:7000", 4, 300)     # a batch job's client, before its script
+    """
+    deadline = time.monotonic() + timeout
+    why = "the coordinator did not answer"
+    with grpc_util.channel(address) as ch:
+        stub = pbg.CoordinatorStub(ch)
+        while True:
+            if check is not None:
+                check()
+            try:
+                seen = stub.ListDevices(pb.ListDevicesRequest(), timeout=5,
+                                        wait_for_ready=True).registered_workers
+                if seen >= want:
+                    return
+                why = f"{seen} of {want} hosts registered"
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                grpc.StatusCode.PERMISSION_DENIED):
+                    raise PathwaysError(f"the coordinator at {address} refused this client: "
+                                        f"{e.details()}") from None
+                why = f"the coordinator did not answer ({e.code().name})"
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the cluster at {address} is not complete after "
+                                   f"{timeout:g} s: {why}" + (f"; {hint}" if hint else ""))
+            time.sleep(poll_s)
 
 
 class LocalCluster:
@@ -235,26 +271,15 @@ class LocalCluster:
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until every worker registered; fail early if one of them exits."""
-        want = self.islands * self.hosts_per_island
-        stub = pbg.CoordinatorStub(grpc_util.channel(self.address))
-        deadline = time.monotonic() + timeout
-        while True:
+        def check() -> None:
             for p in self.procs:
                 if p.poll() is not None:
                     raise PathwaysError(
                         f"a cluster process exited with code {p.returncode} during start-up "
                         f"({' '.join(p.args[2:4])}):\n{self._tail(p)}")
-            try:
-                rep = stub.ListDevices(pb.ListDevicesRequest(), timeout=5)
-                if rep.registered_workers >= want:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"only some of {want} workers registered within {timeout:.0f} s; "
-                    f"logs are in {self.logdir}")
-            time.sleep(0.1)
+
+        wait_for_hosts(self.address, self.islands * self.hosts_per_island, timeout,
+                       check=check, hint=f"logs are in {self.logdir}", poll_s=0.1)
 
     @staticmethod
     def _tail(p: subprocess.Popen, n: int = 3000) -> str:

@@ -189,7 +189,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
         self.rec = tracing.Recorder(tracing.skew_from_env())
         # profile session -> {worker_id: (agent session, clock samples at start)}
         self._profiles: dict = {}
-        self.stopped = asyncio.Event()  # set by Shutdown: _serve stops the server
+        self.stopped = asyncio.Event()  # set by Shutdown or a signal: _serve stops
         self._shutdown_reason = ""
 
     # ------------------------------------------------------------------ plumbing
@@ -651,18 +651,15 @@ async def _serve(args: argparse.Namespace) -> None:
     port = grpc_util.add_port(srv, f"{args.host}:{args.port}")
     await srv.start()
     sweeper = asyncio.ensure_future(service.sweep())
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, service.stopped.set)
     # The embedded cluster and pathways-run read this line to learn the port.
     print(f"PATHWAYS_COORDINATOR_PORT={port}", flush=True)
-    stopped = asyncio.ensure_future(service.stopped.wait())
-    await asyncio.wait([asyncio.ensure_future(stop.wait()), stopped],
-                       return_when=asyncio.FIRST_COMPLETED)
-    if stopped.done():
+    await service.stopped.wait()
+    if service._shutdown_reason:
         # Linger so that workers still starting hear "shut down" rather than nothing.
-        await asyncio.sleep(getattr(args, "shutdown_linger_s", SHUTDOWN_LINGER_S))
+        await asyncio.sleep(SHUTDOWN_LINGER_S)
     sweeper.cancel()
     await srv.stop(0.5)
 
