@@ -36,6 +36,14 @@ def llama():
         eos_token_id=0))
 
 
+def llama_checkpointed():
+    """Llama with Hugging Face's gradient checkpointing (torch.utils.checkpoint per layer,
+    non-reentrant, the transformers v5 default)."""
+    model = llama()
+    model.gradient_checkpointing_enable()
+    return model
+
+
 def bert():
     import transformers
     return transformers.BertForMaskedLM(transformers.BertConfig(
@@ -106,6 +114,7 @@ def image_batch(g, size=64):
 MODELS = {
     "gpt2": (gpt2, _lm_batch, None),
     "llama": (llama, _lm_batch, None),
+    "llama_checkpointed": (llama_checkpointed, _lm_batch, None),
     "bert": (bert, bert_batch, None),
     "t5": (t5, t5_batch, None),
     "vit": (vit, vit_batch, None),

@@ -249,6 +249,7 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
     except Exception as e:
         raise _user_error(name, sig, e) from e
     remat.check_random(joint, name)
+    remat.tie_regions(joint)
     try:
         gm = make_fx(torch.func.functionalize(joint, remove="mutations_and_views"),
                      tracing_mode="fake", decomposition_table=table,
@@ -333,6 +334,7 @@ class _Replay(torch.fx.Interpreter):
     def __init__(self, gm, device) -> None:
         super().__init__(gm)
         self.device = device
+        self._flag = None                  # remat.lower_tie's runtime False
 
     def run_node(self, n):
         value = super().run_node(n)
@@ -343,6 +345,10 @@ class _Replay(torch.fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is torch.ops.aten.lift_fresh_copy.default:
             return args[0].clone()
+        if target is remat.tie_op():
+            if self._flag is None:
+                self._flag = torch.tensor(False).to(self.device)
+            return remat.lower_tie(args[0], self._flag)
         dev = kwargs.get("device") if kwargs else None
         if dev is not None and torch.device(dev).type == "cpu":
             kwargs = dict(kwargs, device=self.device)

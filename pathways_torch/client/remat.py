@@ -8,26 +8,34 @@ random numbers (dropout). torch replays the forward's RNG state for the recomput
 the program's random ops would draw a second, different mask, and the gradients would
 silently be those of another network.
 
-What checkpointing saves here: nothing, on the CPU backend. XLA sees two identical
-computations of the same values and merges them (common-subexpression elimination), so
-the step's planned memory equals the unchecked model's (31.1 MiB per device for 8
-Linear(512) blocks at batch 2048, both ways). Passing each recomputed block's inputs and
-the backward's latest value through an optimization barrier, as
-``torch_xla.utils.checkpoint`` does, keeps the recomputation but raised the plan to
-45.0 MiB on XLA's CPU scheduler (43.0 MiB barriering only activations), so it is not
-done (docs/architecture.md, Decision 14).
+What checkpointing saves here, and how (``tie``). XLA sees the recomputation as a second
+copy of the forward's ops on the same values; left alone, its common-subexpression
+elimination merges the two and keeps the forward's activations alive until the backward
+(29.1 MiB per device for 8 Linear(512) layers at batch 2048 over 2 devices, checkpointed
+or not). An optimization barrier does not stop it on the CPU backend, which expands
+barriers before CSE runs. So each recomputed region reads its inputs through ``tie``: ``x + where(flag,
+g[0], 0)``, where ``flag`` is a runtime ``False`` (a program constant XLA cannot fold)
+and ``g`` the backward value computed just before the region. The sum equals ``x``
+bit for bit, differs from the forward's operand for XLA (no merge), and depends on the
+backward (the recomputation cannot be scheduled early, where it would keep its results
+alive as long as the forward's). Measured by XLA's memory plan for one step (6 blocks of
+4 Linear(512)+Tanh, batch 1024 per device): 77.1 MiB without checkpointing, 48.1 MiB
+with (Decision 14). The cost: one elementwise add per region input per step.
 
 Example (inside capture)::
 
     with tagging():
         joint = make_fx(fn, ...)(*fakes)
     check_random(joint, name)
+    tie_regions(joint)
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
+from typing import Dict, List
 
 import torch
 
@@ -79,3 +87,89 @@ def check_random(gm, name: str) -> None:
                 f"numbers ({op.name()}, e.g. dropout); its recomputation would draw "
                 "different ones than its forward. Checkpoint blocks without dropout, or "
                 "set the dropout probability of the checkpointed blocks to 0")
+
+
+
+_TIE = None
+
+
+def tie_op():
+    """``pathways::remat_tie(xs) -> xs``: the identity on CPU fakes; replay lowers it
+    with ``lower_tie`` (see the module's docstring)."""
+    global _TIE
+    if _TIE is None:
+        @torch.library.custom_op("pathways::remat_tie", mutates_args=())
+        def _tie(xs: List[torch.Tensor]) -> List[torch.Tensor]:
+            return [x.clone() for x in xs]
+
+        @_tie.register_fake
+        def _(xs):
+            return [torch.empty_like(x) for x in xs]
+
+        _TIE = torch.ops.pathways.remat_tie.default
+    return _TIE
+
+
+def tie_regions(gm) -> int:
+    """Make each recomputed region of ``gm`` read its inputs through one ``tie`` with
+    the backward value computed just before it; returns how many regions were tied.
+
+    A region's inputs are the values its ops read from outside it: the checkpointed
+    block's inputs and the parameters. Inputs of the program (placeholders, or views of
+    them: the parameters) are left alone when another input is tied, because the
+    region's ops depend on that one (a tied parameter costs a copy of it per step); a
+    region that reads only the program's inputs (a block on the batch) ties them all."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    order = {n: k for k, n in enumerate(nodes)}
+    regions: Dict[int, list] = {}
+    for n in nodes:
+        if n.meta.get(KEY):
+            regions.setdefault(n.meta[KEY], []).append(n)
+    tied = 0
+    for members in regions.values():
+        inside = set(members)
+        first = min(members, key=order.get)
+        inputs = []
+        for m in members:
+            for a in m.all_input_nodes:
+                if a not in inside and a not in inputs and \
+                        isinstance(a.meta.get("val"), torch.Tensor):
+                    inputs.append(a)
+        ext = [a for a in inputs if not _from_inputs(a)] or inputs
+        latest = next((n for n in reversed(nodes[:order[first]])
+                       if n.op == "call_function" and not n.meta.get(KEY)
+                       and isinstance(n.meta.get("val"), torch.Tensor)), None)
+        if not ext or latest is None:
+            continue
+        with graph.inserting_before(first):
+            t = graph.call_function(tie_op(), (ext + [latest],))
+            outs = [graph.call_function(operator.getitem, (t, k)) for k in range(len(ext))]
+        for a, o in zip(ext, outs):
+            for m in members:
+                m.replace_input_with(a, o)
+        tied += 1
+    if tied:
+        graph.lint()
+        gm.recompile()
+    return tied
+
+
+_VIEWS = {"detach", "alias", "view", "_unsafe_view", "t", "permute", "expand",
+          "transpose", "reshape", "_to_copy"}
+
+
+def _from_inputs(node) -> bool:
+    """A program input, or a view of one."""
+    while node.op == "call_function" and node.args and \
+            getattr(node.target, "__name__", "").split(".")[0] in _VIEWS:
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def lower_tie(xs: List[torch.Tensor], flag: torch.Tensor) -> List[torch.Tensor]:
+    """The XLA lowering of ``tie``: ``xs[:-1]`` plus ``where(flag, xs[-1][0], 0)``, with
+    ``flag`` a runtime False; returns as many tensors as ``xs``."""
+    *ext, latest = xs
+    zero = torch.where(flag, latest.reshape(-1)[0].float(), 0.0)
+    return [x if x.dtype == torch.bool else x + zero.to(x.dtype) for x in ext] + [latest]

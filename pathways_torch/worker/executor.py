@@ -21,11 +21,12 @@ import time
 import traceback
 import warnings
 from concurrent.futures import Future
+from typing import Optional
 
 from .. import tracing
 from ..rpc import codec, validate
 from ..sharding import P, spec_candidates, spec_from_proto, spec_to_proto
-from .memory import gib
+from .memory import MemoryPlans, gib
 from .store import Entry
 
 log = logging.getLogger("pathways.executor")
@@ -42,8 +43,9 @@ def run_executor(req: dict) -> None:
 
     agent = pbg.WorkerStub(grpc_util.channel(req["agent_address"]))
     service = None
+    plans = MemoryPlans.enable()        # before XLA reads its flags
     try:
-        service = ExecutorService(req)
+        service = ExecutorService(req, plans)
         srv = grpc_util.server(max_workers=16)
         pbg.add_ExecutorServicer_to_server(service, srv)
         port = grpc_util.add_port(srv, f"{req['bind_host']}:0")
@@ -57,7 +59,11 @@ def run_executor(req: dict) -> None:
         slice_id=req["slice_id"], pid=os.getpid(),
         address=f"{req.get('advertise_host') or req['bind_host']}:{port}",
         data_address=service.dataplane.address, memory_budget=service.budget), timeout=30)
-    _proc.serve_until_signal(srv)
+    try:
+        _proc.serve_until_signal(srv)
+    finally:
+        if plans is not None:
+            plans.close()
     service.stop()
 
 
@@ -86,7 +92,7 @@ def _make_servicer_base():
 
 
 class ExecutorService(_make_servicer_base()):
-    def __init__(self, req: dict) -> None:
+    def __init__(self, req: dict, plans: Optional[MemoryPlans] = None) -> None:
         import numpy as np
         import torch
         import torch_xla
@@ -121,6 +127,8 @@ class ExecutorService(_make_servicer_base()):
         self.programs: dict = {}
         self.executed = 0
         self.compiles = 0
+        self.plans = plans
+        self.planned_bytes: dict = {}   # program name -> XLA's plan per device (largest)
         self._spec_strings: dict = {}
         self._puts: dict = {}           # buffer id -> (meta, spec, [chunks]) while chunked
         # Spans for pw.profile(); recorded only while a profile is open.
@@ -387,7 +395,7 @@ class ExecutorService(_make_servicer_base()):
             busy_seconds=self.arbiter.busy_seconds if self.arbiter else 0.0,
             shared=self.arbiter is not None, memory_budget=self.budget,
             backpressure_waits=self.backpressure_waits,
-            backpressure_seconds=self.backpressure_seconds)
+            backpressure_seconds=self.backpressure_seconds, planned_bytes=self.planned_bytes)
 
     def Profile(self, request, context):
         self._authorize(context)
@@ -748,6 +756,9 @@ class ExecutorService(_make_servicer_base()):
             reply.out_spec_known.append(spec is not None)
             reply.out_hlo_shardings.append(hlo)
         prog.out_device_bytes = sum(n // k for n, k in zip(prog.out_nbytes, prog.out_shards))
+        if self.plans is not None:
+            planned = self.plans.record(req.hlo)
+            self.planned_bytes[req.name] = max(planned, self.planned_bytes.get(req.name, 0))
         self.programs[req.program_id] = prog
         self.compiles += 1
         reply.compile_s = time.perf_counter() - t0
