@@ -24,7 +24,7 @@ measures, with sync stubs as a client would:
 A part that fails is recorded as {"error": ...}; the others still run. Prints one JSON
 line with every figure and the issue's bars (``bars``: registered within 3 s at 2,048
 hosts, idle CPU <= 0.10 core, allocation p50 <= 3 ms, a silent host lost within 5 s,
-pw.wait over 64 slices <= 3x over 1). ``--fast``: N = 256 only, k up to 8, shorter loops.
+pw.wait over 64 slices <= 3x over 1, on Arrays waited before and on fresh ones). ``--fast``: N = 256 only, k up to 8, shorter loops.
 
     python bench/scale.py [--hosts 16,256,1024,2048] [--fast]
 """
@@ -279,6 +279,13 @@ def client_main(address: str, ks, repeats: int, graphs: int) -> None:
                 pw.wait(arrays)
                 ts.append(time.perf_counter() - t0)
             r["wait_ms_p50"], r["wait_ms_p90"] = ms(ts), ms(ts, 0.9)
+            ts = []
+            for _ in range(repeats):              # fresh Arrays: put, then wait at once
+                fresh = [pw.put(torch.zeros(4), s) for s in slices]
+                t0 = time.perf_counter()
+                pw.wait(fresh)
+                ts.append(time.perf_counter() - t0)
+            r["wait_fresh_ms_p50"], r["wait_fresh_ms_p90"] = ms(ts), ms(ts, 0.9)
             r["threads_before_barrier"] = threads()
             ts = []
             for _ in range(max(5, repeats // 3)):
@@ -409,12 +416,15 @@ def bars(per_n: dict) -> dict:
     silent = [x for n in ns for x in (get(per_n, str(n), "notice", "silent", "seconds") or [])]
     silent_max = None if not silent or None in silent else max(silent)
     # the largest N whose client measured both k=1 and k=64
-    wait_ratio, wait_at = None, None
+    wait_ratio, wait_at, fresh_ratio = None, None, None
     for n in reversed(ns):
         w1 = get(per_n, str(n), "client", "k1", "wait_ms_p50")
         w64 = get(per_n, str(n), "client", "k64", "wait_ms_p50")
         if w1 and w64:
             wait_ratio, wait_at = w64 / w1, n
+            f1 = get(per_n, str(n), "client", "k1", "wait_fresh_ms_p50")
+            f64 = get(per_n, str(n), "client", "k64", "wait_fresh_ms_p50")
+            fresh_ratio = f64 / f1 if f1 and f64 else None
             break
     out = {
         "register_s_at_2048": {"bar": BARS["register_s_at_2048"], "measured": reg,
@@ -427,6 +437,9 @@ def bars(per_n: dict) -> dict:
                           "at_hosts": "the slowest at any N"},
         "wait_k64_over_k1": {"bar": BARS["wait_k64_over_k1"], "measured": wait_ratio,
                              "at_hosts": wait_at},
+        # the same over Arrays put just before the wait (the executors' pushes awaited)
+        "wait_fresh_k64_over_k1": {"bar": BARS["wait_k64_over_k1"], "measured": fresh_ratio,
+                                   "at_hosts": wait_at},
     }
     for b in out.values():
         b["met"] = verdict(b["measured"], b["bar"])

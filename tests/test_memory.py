@@ -108,3 +108,28 @@ def test_waiting_past_the_deadline_fails_with_a_clear_error_and_loses_nothing(s)
     assert [h.torch()[0].item() for h in held] == [1.0, 2.0, 3.0]   # nothing was lost
     del held, y
     assert scale(x, 6.0).torch()[0].item() == 6.0
+
+
+def test_failures_reach_a_wait_over_several_slices(s):
+    """pw.wait over several slices learns completion from the executors' watermarks:
+    a failure from before the subscription (noted when it starts) and one after it
+    both raise, and the slices stay usable. The failures: outputs that found no room
+    within the back-pressure timeout (4 s here)."""
+    empty(s)
+    with pw.slice((1,)) as other:
+        x = pw.put(torch.arange(2 * MIB, dtype=torch.float32), s)     # 8 MiB
+        ys = [scale(x, float(k)) for k in (1, 2, 3)]                 # 32 MiB held: full
+        early = scale(x, 9.0)                 # fails before any watermark exists
+        ok = scale(pw.put(torch.ones(4), other), 2.0)
+        pw.wait([ok, ys[0]])                  # subscribes both streams
+        assert s._conn.watching and other._conn.watching
+        with pytest.raises(pw.OutOfMemoryError):
+            pw.wait([ok, early])
+        late = scale(x, 8.0)
+        with pytest.raises(pw.OutOfMemoryError):
+            pw.wait([ys[1], late, ok])
+        del ys, early, late
+        y = scale(x, 4.0)
+        pw.wait([ok, y])
+        assert ok.torch().tolist() == [2.0] * 4
+        assert y.torch()[1].item() == 4.0

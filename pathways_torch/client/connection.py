@@ -14,6 +14,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from typing import Iterable, List, Optional
 
 import grpc
@@ -98,27 +99,56 @@ class _LoopTask:
 
 
 def wait_many(groups: list, timeout: Optional[float]) -> None:
-    """``pw.wait`` over several slices: every slice's Wait goes out at once from one
-    event loop (gRPC asyncio), so k slices cost about one round trip, not k.
+    """``pw.wait`` over several slices. Each slice's stream is subscribed to completion
+    watermarks (``watch``), so a wait on what the executors already finished checks
+    local state, and one on work still running waits for their pushes: no call per
+    slice. Slices whose executor cannot vouch (watermarks stopped) get their Wait calls,
+    all at once from one event loop (gRPC asyncio).
     ``groups``: (connection, buffer ids, after_seq, what). Raises the first failure."""
     import asyncio
-    loop = _Loop.get()
-
-    async def all_waits():
-        return await asyncio.gather(*(conn._wait_aio(ids, seq, timeout)
-                                      for conn, ids, seq, _ in groups),
-                                    return_exceptions=True)
-
     t = max(conn.timeout if timeout is None else timeout for conn, *_ in groups)
-    results = asyncio.run_coroutine_threadsafe(all_waits(), loop).result(t + 30)
+    deadline = time.monotonic() + t
+    replies: list = [None] * len(groups)
+    for conn, *_ in groups:
+        conn.watch()
+    with _WATERMARKS:
+        while True:
+            todo = [k for k, (conn, ids, seq, _) in enumerate(groups)
+                    if replies[k] is None and conn.watching]
+            for k in todo:
+                conn, ids, seq, _ = groups[k]
+                replies[k] = conn.known(ids, seq)
+            if all(replies[k] is not None for k in todo):
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            _WATERMARKS.wait(left)
+    rpc = [k for k, r in enumerate(replies) if r is None]
+    if rpc:
+        loop = _Loop.get()
+
+        async def all_waits():
+            return await asyncio.gather(*(groups[k][0]._wait_aio(groups[k][1], groups[k][2],
+                                                                 timeout) for k in rpc),
+                                        return_exceptions=True)
+
+        left = max(0.0, deadline - time.monotonic())
+        for k, rep in zip(rpc, asyncio.run_coroutine_threadsafe(
+                all_waits(), loop).result(left + 30)):
+            replies[k] = rep
     first = None
-    for (conn, _, _, what), rep in zip(groups, results):
+    for (conn, _, _, what), rep in zip(groups, replies):
         try:
             conn._wait_result(rep, what, timeout or conn.timeout)
         except Exception as e:      # check every reply; raise the first failure
             first = first or e
     if first is not None:
         raise first
+
+
+# Completion watermarks arrived, a stream broke or stopped vouching: waiters re-check.
+_WATERMARKS = threading.Condition()
 
 
 class ExecutorConnection:
@@ -148,6 +178,11 @@ class ExecutorConnection:
         # slice that never waits on a barrier costs the channel's two threads, not three.
         self._reader: Optional[threading.Thread] = None
         self._reader_lock = threading.Lock()
+        # Completion watermarks (after ``watch``): every buffer of the first _done_seq
+        # ordered ops is ready, except those in _failed (id -> pb.BufferError).
+        self.watching = False
+        self._done_seq = 0
+        self._failed: dict = {}
 
     # ------------------------------------------------------------- ids and ops
     def new_id(self) -> int:
@@ -178,6 +213,8 @@ class ExecutorConnection:
         """Called from Array finalizers; SimpleQueue.put is safe there (reentrant)."""
         if not self.closed:
             self._q.put(buffer_id)
+            if self._failed:
+                self._failed.pop(buffer_id, None)
 
     def put(self, tensor, spec_msg: pb.Spec):
         """Send a CPU tensor to the slice (chunked); returns (buffer id, seq)."""
@@ -234,12 +271,62 @@ class ExecutorConnection:
                     e = self._barriers.pop(ev.barrier, None)
                     if e is not None:
                         e.set()
+                elif ev.done_seq:
+                    for bid, err in zip(ev.failed_ids, ev.errors):
+                        self._failed[bid] = err
+                    with _WATERMARKS:
+                        self._done_seq = max(self._done_seq, ev.done_seq)
+                        _WATERMARKS.notify_all()
+                elif ev.unwatched:
+                    self._unwatched()
         except grpc.RpcError as e:
             if not self.closed:
                 self.broken = f"the executor of {self.where} is unreachable: {e.details()}"
         finally:
             for e in list(self._barriers.values()):
                 e.set()
+            self._unwatched()
+
+    def _unwatched(self) -> None:
+        with _WATERMARKS:
+            self.watching = False
+            _WATERMARKS.notify_all()
+
+    def _start_reader(self) -> None:
+        if self._reader is None:
+            with self._reader_lock:
+                if self._reader is None:
+                    self._reader = threading.Thread(target=self._read, daemon=True,
+                                                    name=f"pw-read-{self.where}")
+                    self._reader.start()
+
+    def watch(self) -> None:
+        """Subscribe this stream to completion watermarks (once; see ``wait_many``)."""
+        if self.watching or self.closed or self.broken:
+            return
+        with self._reader_lock:
+            if self.watching:
+                return
+            self.watching = True
+        self._start_reader()
+        self.send(pb.Op(watch=pb.WatchOp()), direct=True)
+
+    def known(self, buffer_ids: List[int], after_seq: int) -> Optional[pb.WaitReply]:
+        """What a Wait would answer, from the watermarks; None while not yet known.
+        A lost or closed slice is known too: its error is raised by ``_wait_result``."""
+        if self.closed or self.broken:
+            try:
+                self._check()
+            except Exception as e:      # noqa: BLE001 - handed to _wait_result
+                return e
+        if self._done_seq < max(after_seq, 1):
+            return None
+        rep = pb.WaitReply()
+        for bid in buffer_ids:
+            err = self._failed.get(bid)
+            rep.failed.append(err is not None)
+            rep.errors.append(err if err is not None else pb.BufferError())
+        return rep
 
     def mark_lost(self, reason: str) -> None:
         """The coordinator says the slice's host is lost (closed, or silent past its
@@ -250,6 +337,8 @@ class ExecutorConnection:
         self.broken = f"the executor of {self.where} is lost: {reason}"
         for e in list(self._barriers.values()):
             e.set()
+        with _WATERMARKS:
+            _WATERMARKS.notify_all()
         for call in list(self._inflight):
             call.cancel()
 
@@ -268,12 +357,7 @@ class ExecutorConnection:
 
     def barrier_start(self) -> threading.Event:
         """Send a barrier; ``barrier_finish`` waits for it (start many, then finish)."""
-        if self._reader is None:
-            with self._reader_lock:
-                if self._reader is None:
-                    self._reader = threading.Thread(target=self._read, daemon=True,
-                                                    name=f"pw-read-{self.where}")
-                    self._reader.start()
+        self._start_reader()
         token = next(self._barrier_ids)
         ev = threading.Event()
         self._barriers[token] = ev
@@ -329,9 +413,15 @@ class ExecutorConnection:
 
     def _wait(self, buffer_ids: List[int], after_seq: int, what: str,
               timeout: Optional[float]) -> None:
-        """One slice's Wait, as a future so that ``mark_lost`` can cancel it."""
+        """One slice's Wait, as a future so that ``mark_lost`` can cancel it; no call
+        when the slice's watermarks (see ``wait_many``) already vouch for the buffers."""
         self._check()
         t = timeout or self.timeout
+        if self.watching:
+            rep = self.known(buffer_ids, after_seq)
+            if rep is not None:
+                self._wait_result(rep, what, t)
+                return
         fut = self.stub.Wait.future(pb.WaitRequest(buffer_ids=buffer_ids,
                                                    after_seq=after_seq, timeout_s=t),
                                     timeout=t + 5)
@@ -416,6 +506,7 @@ class ExecutorConnection:
         self.closed = True
         self._q.put(_CLOSE)
         self._channel.close()
+        self._unwatched()
         if self._aio is not None:
             import asyncio
             asyncio.run_coroutine_threadsafe(self._aio[0].close(), _Loop.get())

@@ -162,6 +162,7 @@ class ExecutorService(_make_servicer_base()):
         self.backpressure_waits = 0     # ops that waited for memory, and for how long
         self.backpressure_seconds = 0.0
         self._events: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._watcher: Optional[threading.Thread] = None   # pushes done_seq (a WatchOp)
         self._stream_lock = threading.Lock()
         self._streaming = False         # a Dispatch stream is open
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
@@ -286,6 +287,7 @@ class ExecutorService(_make_servicer_base()):
         finally:
             with self._stream_lock:
                 self._streaming = False
+            self._unwatch()
 
     def Fetch(self, request, context):
         self._authorize(context)
@@ -492,6 +494,8 @@ class ExecutorService(_make_servicer_base()):
             self._send(op.send)
         elif which == "barrier":
             self._events.put(self.pb.DispatchEvent(barrier=op.barrier.token))
+        elif which == "watch":
+            self._watch()
         elif which == "save":
             t0 = self.rec.now() if self.rec.on else 0
             self._save(op.save)
@@ -502,6 +506,66 @@ class ExecutorService(_make_servicer_base()):
             self._load(op.load)
             self.rec.add("checkpoint", "load", t0, buffer_ids=op.load.buffer_ids,
                          detail=op.load.path)
+
+    # ------------------------------------------------------------- completion watermarks
+    def _watch(self) -> None:
+        """Start pushing ``done_seq`` watermarks on this stream (a WatchOp)."""
+        store = self.store
+        with store.cond:
+            if self._watcher is not None:
+                return
+            store.start_noting()
+            self._watcher = threading.Thread(target=self._push_watermarks,
+                                             args=(self._events,), daemon=True,
+                                             name="watermarks")
+        self._watcher.start()
+
+    def _unwatch(self) -> None:
+        store = self.store
+        with store.cond:
+            if self._watcher is None:
+                return
+            self._watcher, store.noting = None, False
+            store.cond.notify_all()
+        store.take_noted()
+
+    def _push_watermarks(self, events) -> None:
+        """While subscribed: whenever ordered ops were processed, wait until what they
+        produce is ready (transfers received, device work done) and push the count,
+        with the failed buffers among them; at most one push per millisecond."""
+        store, me = self.store, threading.current_thread()
+        pushed, last = 0, 0.0
+        while True:
+            with store.cond:
+                store.cond.wait_for(lambda: self._watcher is not me or
+                                    store.processed > pushed)
+                if self._watcher is not me:
+                    return
+                seq = store.processed
+            noted = store.take_noted()
+            ev = self.pb.DispatchEvent(done_seq=seq)
+            for bid in noted:
+                entry = store.get(bid)
+                if entry is None:
+                    continue
+                self._resolve(entry)
+                if entry.error is not None:
+                    ev.failed_ids.append(bid)
+                    ev.errors.append(entry.error)
+            try:
+                self.torch_xla._XLAC._xla_wait_device_ops([])
+            except Exception:
+                # a failed execution: its own outputs say so; stop vouching for readiness
+                log.warning("watermarks stopped: %s", traceback.format_exc())
+                self._unwatch()
+                events.put(self.pb.DispatchEvent(unwatched=True))
+                return
+            events.put(ev)
+            pushed = seq
+            pause = last + 0.001 - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            last = time.monotonic()
 
     def _invalid(self, op, which):
         """Why an op of the stream is malformed (a validate.InvalidMessage), or None.

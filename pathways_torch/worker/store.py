@@ -36,6 +36,22 @@ class ObjectStore:
         self.device_bytes = 0       # bytes on each device (a sharded buffer counts 1/shards)
         self._done_out_of_order: set = set()
         self.bytes = 0
+        self.noting = False         # a watermark subscriber wants ``take_noted``
+        self._noted: list = []      # ids put failed or pending since the last take
+
+    def start_noting(self) -> None:
+        """Note from now on, starting with the buffers already failed or pending."""
+        with self.cond:
+            self.noting = True
+            self._noted = [b for b, e in self.entries.items()
+                           if e.error is not None or e.pending is not None]
+
+    def take_noted(self) -> list:
+        """Ids of the buffers put with an error or a pending transfer since the last
+        call (only while ``noting``): what a completion watermark must look at."""
+        with self.cond:
+            out, self._noted = self._noted, []
+            return out
 
     def put(self, buffer_id: int, entry: Entry) -> None:
         with self.cond:
@@ -44,6 +60,8 @@ class ObjectStore:
                 self.bytes -= old.nbytes
                 self.device_bytes -= old.nbytes // old.shards
             self.entries[buffer_id] = entry
+            if self.noting and (entry.error is not None or entry.pending is not None):
+                self._noted.append(buffer_id)
             self.bytes += entry.nbytes
             self.device_bytes += entry.nbytes // entry.shards
 
