@@ -255,18 +255,19 @@ class FakeExecutor(pbg.ExecutorServicer):
     async def Dispatch(self, request_iterator, context):
         counts = self.fleet.counts
         counts["dispatch_streams"] += 1
-        seq, watching = 0, False
+        seq = 0
         async for batch in request_iterator:
             counts["op_batches"] += 1
             counts["ops"] += len(batch.ops)
+            asked = False
             for op in batch.ops:
                 if op.WhichOneof("kind") != "release":
                     seq += 1
-                watching = watching or op.WhichOneof("kind") == "watch"
+                asked = asked or op.WhichOneof("kind") == "watch"
             for token in _barriers(batch.ops):
                 counts["barriers"] += 1
                 yield pb.DispatchEvent(barrier=token)
-            if watching:                # every op completes at once: one watermark
+            if asked:                   # every op completes at once: one watermark
                 counts["watermarks"] += 1
                 yield pb.DispatchEvent(done_seq=seq)
 

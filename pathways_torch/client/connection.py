@@ -99,26 +99,26 @@ class _LoopTask:
 
 
 def wait_many(groups: list, timeout: Optional[float]) -> None:
-    """``pw.wait`` over several slices. Each slice's stream is subscribed to completion
-    watermarks (``watch``), so a wait on what the executors already finished checks
-    local state, and one on work still running waits for their pushes: no call per
-    slice. Slices whose executor cannot vouch (watermarks stopped) get their Wait calls,
-    all at once from one event loop (gRPC asyncio).
+    """``pw.wait`` over several slices, with completion watermarks: a slice whose last
+    watermark covers the Arrays is answered from local state; the others are asked for
+    one (a WatchOp on their streams, no call) and the wait takes their pushes. Slices
+    whose executor stopped vouching get Wait calls, all at once from one event loop
+    (gRPC asyncio).
     ``groups``: (connection, buffer ids, after_seq, what). Raises the first failure."""
     import asyncio
     t = max(conn.timeout if timeout is None else timeout for conn, *_ in groups)
     deadline = time.monotonic() + t
     replies: list = [None] * len(groups)
-    for conn, *_ in groups:
-        conn.watch()
+    asked = [False] * len(groups)
     with _WATERMARKS:
         while True:
-            todo = [k for k, (conn, ids, seq, _) in enumerate(groups)
-                    if replies[k] is None and conn.watching]
-            for k in todo:
-                conn, ids, seq, _ = groups[k]
-                replies[k] = conn.known(ids, seq)
-            if all(replies[k] is not None for k in todo):
+            for k, (conn, ids, seq, _) in enumerate(groups):
+                if replies[k] is None and (asked[k] or conn.ask(seq)) \
+                        and not conn._unvouched:
+                    asked[k] = True
+                    replies[k] = conn.known(ids, seq)
+            if all(r is not None or not a or g[0]._unvouched
+                   for r, a, g in zip(replies, asked, groups)):
                 break
             left = deadline - time.monotonic()
             if left <= 0:
@@ -180,7 +180,9 @@ class ExecutorConnection:
         self._reader_lock = threading.Lock()
         # Completion watermarks (after ``watch``): every buffer of the first _done_seq
         # ordered ops is ready, except those in _failed (id -> pb.BufferError).
-        self.watching = False
+        self.watching = False              # a watermark was asked for
+        self._unvouched = False            # ... and the executor stopped giving them
+        self._asked = 0                    # the highest seq a pending WatchOp covers
         self._done_seq = 0
         self._failed: dict = {}
 
@@ -289,7 +291,7 @@ class ExecutorConnection:
 
     def _unwatched(self) -> None:
         with _WATERMARKS:
-            self.watching = False
+            self._unvouched = True
             _WATERMARKS.notify_all()
 
     def _start_reader(self) -> None:
@@ -300,16 +302,17 @@ class ExecutorConnection:
                                                     name=f"pw-read-{self.where}")
                     self._reader.start()
 
-    def watch(self) -> None:
-        """Subscribe this stream to completion watermarks (once; see ``wait_many``)."""
-        if self.watching or self.closed or self.broken:
-            return
-        with self._reader_lock:
-            if self.watching:
-                return
+    def ask(self, after_seq: int) -> bool:
+        """Ask for a completion watermark covering ``after_seq`` (a WatchOp on the
+        stream), unless one already covers it or is on its way; False when this
+        executor no longer vouches (``wait_many`` then calls Wait)."""
+        if self.closed or self.broken or self._unvouched:
+            return False
+        if self._asked < after_seq and self._done_seq < after_seq:
+            self._start_reader()
             self.watching = True
-        self._start_reader()
-        self.send(pb.Op(watch=pb.WatchOp()), direct=True)
+            self._asked = self.send(pb.Op(watch=pb.WatchOp()), direct=True) - 1
+        return True
 
     def known(self, buffer_ids: List[int], after_seq: int) -> Optional[pb.WaitReply]:
         """What a Wait would answer, from the watermarks; None while not yet known.
@@ -417,7 +420,7 @@ class ExecutorConnection:
         when the slice's watermarks (see ``wait_many``) already vouch for the buffers."""
         self._check()
         t = timeout or self.timeout
-        if self.watching:
+        if self.watching and not self._unvouched:
             rep = self.known(buffer_ids, after_seq)
             if rep is not None:
                 self._wait_result(rep, what, t)

@@ -162,7 +162,8 @@ class ExecutorService(_make_servicer_base()):
         self.backpressure_waits = 0     # ops that waited for memory, and for how long
         self.backpressure_seconds = 0.0
         self._events: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._watcher: Optional[threading.Thread] = None   # pushes done_seq (a WatchOp)
+        self._watcher: Optional[threading.Thread] = None   # pushes done_seq (WatchOps)
+        self._watch_asks = 0            # WatchOps processed on this stream
         self._stream_lock = threading.Lock()
         self._streaming = False         # a Dispatch stream is open
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
@@ -509,16 +510,18 @@ class ExecutorService(_make_servicer_base()):
 
     # ------------------------------------------------------------- completion watermarks
     def _watch(self) -> None:
-        """Start pushing ``done_seq`` watermarks on this stream (a WatchOp)."""
+        """A WatchOp, in stream order: push one ``done_seq`` watermark covering every op
+        up to this one, once what they produce is ready. The first starts the pusher."""
         store = self.store
         with store.cond:
-            if self._watcher is not None:
-                return
-            store.start_noting()
-            self._watcher = threading.Thread(target=self._push_watermarks,
-                                             args=(self._events,), daemon=True,
-                                             name="watermarks")
-        self._watcher.start()
+            self._watch_asks += 1
+            if self._watcher is None:
+                store.start_noting()
+                self._watcher = threading.Thread(target=self._push_watermarks,
+                                                 args=(self._events,), daemon=True,
+                                                 name="watermarks")
+                self._watcher.start()
+            store.cond.notify_all()
 
     def _unwatch(self) -> None:
         store = self.store
@@ -526,22 +529,23 @@ class ExecutorService(_make_servicer_base()):
             if self._watcher is None:
                 return
             self._watcher, store.noting = None, False
+            self._watch_asks = 0
             store.cond.notify_all()
         store.take_noted()
 
     def _push_watermarks(self, events) -> None:
-        """While subscribed: whenever ordered ops were processed, wait until what they
-        produce is ready (transfers received, device work done) and push the count,
-        with the failed buffers among them; at most one push per millisecond."""
+        """For each batch of WatchOps: wait until what the ops before them produce is
+        ready (transfers received, device work done), then push the count with the
+        failed buffers among them. Nothing is pushed while nobody asks."""
         store, me = self.store, threading.current_thread()
-        pushed, last = 0, 0.0
+        served = 0
         while True:
             with store.cond:
                 store.cond.wait_for(lambda: self._watcher is not me or
-                                    store.processed > pushed)
+                                    self._watch_asks > served)
                 if self._watcher is not me:
                     return
-                seq = store.processed
+                seq, served = store.processed, self._watch_asks
             noted = store.take_noted()
             ev = self.pb.DispatchEvent(done_seq=seq)
             for bid in noted:
@@ -561,11 +565,6 @@ class ExecutorService(_make_servicer_base()):
                 events.put(self.pb.DispatchEvent(unwatched=True))
                 return
             events.put(ev)
-            pushed = seq
-            pause = last + 0.001 - time.monotonic()
-            if pause > 0:
-                time.sleep(pause)
-            last = time.monotonic()
 
     def _invalid(self, op, which):
         """Why an op of the stream is malformed (a validate.InvalidMessage), or None.
