@@ -279,13 +279,15 @@ def client_main(address: str, ks, repeats: int, graphs: int) -> None:
                 pw.wait(arrays)
                 ts.append(time.perf_counter() - t0)
             r["wait_ms_p50"], r["wait_ms_p90"] = ms(ts), ms(ts, 0.9)
-            ts = []
+            ts, cpu = [], []
             for _ in range(repeats):              # fresh Arrays: put, then wait at once
                 fresh = [pw.put(torch.zeros(4), s) for s in slices]
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 pw.wait(fresh)
                 ts.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             r["wait_fresh_ms_p50"], r["wait_fresh_ms_p90"] = ms(ts), ms(ts, 0.9)
+            r["wait_fresh_client_cpu_ms_p50"] = ms(cpu)     # every thread of the client
             r["threads_before_barrier"] = threads()
             ts = []
             for _ in range(max(5, repeats // 3)):
