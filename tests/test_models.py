@@ -1,7 +1,7 @@
 """Real third-party models train through pw.Trainer with plain PyTorch's numbers.
 
 Hugging Face GPT-2 (tied weights), Llama (GQA, RoPE buffers; also with Hugging Face's
-gradient checkpointing), BERT (masked LM, 2D
+activation checkpointing), BERT (masked LM, 2D
 attention mask, keyword arguments), T5 (encoder-decoder, labels in the batch, .loss),
 ViT, Mixtral (mixture of experts, default experts path) and torchvision ResNet
 (BatchNorm) and ConvNeXt (stochastic depth), each from a tiny config with random

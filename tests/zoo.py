@@ -37,10 +37,10 @@ def llama():
 
 
 def llama_checkpointed():
-    """Llama with Hugging Face's gradient checkpointing (torch.utils.checkpoint per layer,
+    """Llama with Hugging Face's activation checkpointing (torch.utils.checkpoint per layer,
     non-reentrant, the transformers v5 default)."""
     model = llama()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     return model
 
 
