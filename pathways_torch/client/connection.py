@@ -109,19 +109,15 @@ def wait_many(groups: list, timeout: Optional[float]) -> None:
     t = max(conn.timeout if timeout is None else timeout for conn, *_ in groups)
     deadline = time.monotonic() + t
     replies: list = [None] * len(groups)
-    asked = [False] * len(groups)
     with _WATERMARKS:
         while True:
+            pending = False
             for k, (conn, ids, seq, _) in enumerate(groups):
-                if replies[k] is None and (asked[k] or conn.ask(seq)) \
-                        and not conn._unvouched:
-                    asked[k] = True
+                if replies[k] is None and conn.ask(seq):
                     replies[k] = conn.known(ids, seq)
-            if all(r is not None or not a or g[0]._unvouched
-                   for r, a, g in zip(replies, asked, groups)):
-                break
+                    pending = pending or replies[k] is None
             left = deadline - time.monotonic()
-            if left <= 0:
+            if not pending or left <= 0:
                 break
             _WATERMARKS.wait(left)
     rpc = [k for k, r in enumerate(replies) if r is None]
@@ -178,10 +174,9 @@ class ExecutorConnection:
         # slice that never waits on a barrier costs the channel's two threads, not three.
         self._reader: Optional[threading.Thread] = None
         self._reader_lock = threading.Lock()
-        # Completion watermarks (after ``watch``): every buffer of the first _done_seq
+        # Completion watermarks (after ``ask``): every buffer of the first _done_seq
         # ordered ops is ready, except those in _failed (id -> pb.BufferError).
-        self.watching = False              # a watermark was asked for
-        self._unvouched = False            # ... and the executor stopped giving them
+        self._unvouched = False            # the executor stopped giving watermarks
         self._asked = 0                    # the highest seq a pending WatchOp covers
         self._done_seq = 0
         self._failed: dict = {}
@@ -302,26 +297,25 @@ class ExecutorConnection:
                                                     name=f"pw-read-{self.where}")
                     self._reader.start()
 
+    @property
+    def watching(self) -> bool:
+        """A watermark was asked for on this stream."""
+        return self._asked > 0
+
     def ask(self, after_seq: int) -> bool:
         """Ask for a completion watermark covering ``after_seq`` (a WatchOp on the
         stream), unless one already covers it or is on its way; False when this
-        executor no longer vouches (``wait_many`` then calls Wait)."""
+        executor no longer vouches, or the slice is lost or closed (``wait_many`` then
+        calls Wait, which raises why)."""
         if self.closed or self.broken or self._unvouched:
             return False
         if self._asked < after_seq and self._done_seq < after_seq:
             self._start_reader()
-            self.watching = True
             self._asked = self.send(pb.Op(watch=pb.WatchOp()), direct=True) - 1
         return True
 
     def known(self, buffer_ids: List[int], after_seq: int) -> Optional[pb.WaitReply]:
-        """What a Wait would answer, from the watermarks; None while not yet known.
-        A lost or closed slice is known too: its error is raised by ``_wait_result``."""
-        if self.closed or self.broken:
-            try:
-                self._check()
-            except Exception as e:      # noqa: BLE001 - handed to _wait_result
-                return e
+        """What a Wait would answer, from the watermarks; None while not yet known."""
         if self._done_seq < max(after_seq, 1):
             return None
         rep = pb.WaitReply()
@@ -420,7 +414,7 @@ class ExecutorConnection:
         when the slice's watermarks (see ``wait_many``) already vouch for the buffers."""
         self._check()
         t = timeout or self.timeout
-        if self.watching and not self._unvouched:
+        if not self._unvouched:
             rep = self.known(buffer_ids, after_seq)
             if rep is not None:
                 self._wait_result(rep, what, t)

@@ -528,10 +528,9 @@ class ExecutorService(_make_servicer_base()):
         with store.cond:
             if self._watcher is None:
                 return
-            self._watcher, store.noting = None, False
-            self._watch_asks = 0
+            self._watcher, self._watch_asks = None, 0
+            store.stop_noting()
             store.cond.notify_all()
-        store.take_noted()
 
     def _push_watermarks(self, events) -> None:
         """For each batch of WatchOps: wait until what the ops before them produce is

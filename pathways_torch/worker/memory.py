@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -117,9 +118,10 @@ class MemoryPlans:
             if m:
                 totals.append(int(m.group(1)))
         self.clear()
+        digest = hashlib.sha256(key).digest()
         if totals:
-            self._by_key[key] = max(totals)
-        return self._by_key.get(key, 0)
+            self._by_key[digest] = max(totals)
+        return self._by_key.get(digest, 0)
 
     def clear(self) -> None:
         for entry in os.listdir(self.directory):

@@ -46,6 +46,10 @@ class ObjectStore:
             self._noted = [b for b, e in self.entries.items()
                            if e.error is not None or e.pending is not None]
 
+    def stop_noting(self) -> None:
+        with self.cond:
+            self.noting, self._noted = False, []
+
     def take_noted(self) -> list:
         """Ids of the buffers put with an error or a pending transfer since the last
         call (only while ``noting``): what a completion watermark must look at."""
