@@ -2,7 +2,9 @@
 
 One asyncio process (grpc.aio) holds N fake hosts. Each opens the coordinator's
 ``RegisterWorker`` stream as a worker agent does (a ``register`` message, then a beat
-every ``heartbeat_s``, reading the coordinator's answers), and can be told to close its
+every ``heartbeat_s``, reading the coordinator's answers; as UDP datagrams when the
+coordinator offers them, from one socket shared by the fleet, after the first answer
+comes back that way), and can be told to close its
 stream (a crashed host: the coordinator must notice at once), to go silent with its
 connection open (a hung host: it must be noticed within ``lost_after_s``) or to come
 back on a fresh stream. Each host has its own connection, as real hosts do. One fake
@@ -38,6 +40,7 @@ import os
 import pathlib
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +50,7 @@ from typing import Dict, List, Optional
 
 import grpc
 
-from pathways_torch.rpc import grpc_util
+from pathways_torch.rpc import beats, grpc_util
 from pathways_torch.rpc import pathways_pb2 as pb
 from pathways_torch.rpc import pathways_pb2_grpc as pbg
 
@@ -302,6 +305,9 @@ class FakeHost:
         self.error: Optional[dict] = None
         self._sent: Dict[int, float] = {}
         self._tasks: List[asyncio.Task] = []
+        self.beat_id, self.beat_key = 0, b""     # datagram beats, when offered
+        self.udp_ok = False
+        self.phase = 0.0
 
     async def register(self, timeout: float) -> None:
         """Open a fresh stream and wait for the first event; sets state/error."""
@@ -337,6 +343,13 @@ class FakeHost:
         self.worker_id = ev.worker_id
         self.heartbeat_s = ev.heartbeat_s or 1.0
         self.lost_after_s = ev.lost_after_s
+        self.fleet.forget_beats(self)
+        self.udp_ok = False
+        if ev.beat_port and self.fleet.udp is not None:
+            self.beat_id, self.beat_key = ev.beat_id, ev.beat_key
+            self.phase = ev.beat_phase_s
+            self.fleet.beat_hosts[ev.beat_id] = self
+            self.fleet.beat_port = ev.beat_port
         self.state = "up"
         self.last_beat = time.monotonic()
         self._tasks = [asyncio.ensure_future(self._beats(call)),
@@ -348,7 +361,7 @@ class FakeHost:
         try:
             while self.state == "up" and self.call is call:
                 # on multiples of heartbeat_s on the wall clock, as the real agent beats
-                await asyncio.sleep(grpc_util.until_beat(self.heartbeat_s))
+                await asyncio.sleep(grpc_util.until_beat(self.heartbeat_s, self.phase))
                 if self.state != "up" or self.call is not call:
                     return
                 self.beat += 1
@@ -357,7 +370,10 @@ class FakeHost:
                 if len(self._sent) > 64:        # answers that never came
                     self._sent.pop(min(self._sent))
                 self.last_beat = now
-                await call.write(pb.WorkerUp(beat=self.beat))
+                if self.beat_id:
+                    self.fleet.send_beat(self)
+                if not self.udp_ok:
+                    await call.write(pb.WorkerUp(beat=self.beat))
                 self.fleet.beats_sent += 1
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as e:
             self._ended(call, e)
@@ -373,12 +389,15 @@ class FakeHost:
                 if self.state != "up" or self.call is not call:
                     return          # silent: stop reading (the call stays open)
                 if ev.beat:
-                    t = self._sent.pop(ev.beat, None)
-                    if t is not None:
-                        self.fleet.rtts.append(time.monotonic() - t)
-                        self.fleet.beats_answered += 1
+                    self.answered(ev.beat)
         except grpc.aio.AioRpcError as e:
             self._ended(call, e)
+
+    def answered(self, beat: int) -> None:
+        t = self._sent.pop(beat, None)
+        if t is not None:
+            self.fleet.rtts.append(time.monotonic() - t)
+            self.fleet.beats_answered += 1
 
     def _ended(self, call, e, text: str = "") -> None:
         if self.call is not call:
@@ -443,6 +462,9 @@ class Fleet:
         self._shared = None
         self._servers: list = []
         self.agent_address = self.executor_address = ""
+        self.udp = None                 # the fleet's one beat socket (a transport)
+        self.beat_port = 0
+        self.beat_hosts: Dict[int, FakeHost] = {}      # beat id -> host
 
     async def start(self) -> dict:
         agent = grpc.aio.server(options=grpc_util.SERVER_OPTIONS)
@@ -458,7 +480,36 @@ class Fleet:
         self.executor_address = f"127.0.0.1:{eport}"
         self._control = grpc.aio.insecure_channel(self.coordinator, options=grpc_util.OPTIONS)
         self.stub = pbg.CoordinatorStub(self._control)
+        fleet = self
+
+        class Answers(asyncio.DatagramProtocol):
+            def datagram_received(self, data, addr):
+                fleet._answer(data)
+
+        self.udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            Answers, local_addr=("127.0.0.1", 0))
+        self.udp.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF,
+                                                     beats.RCVBUF)
         return self.info()
+
+    def send_beat(self, h: FakeHost) -> None:
+        self.udp.sendto(beats.pack(beats.BEAT, h.beat_id, h.beat, h.beat_key),
+                        (beats.host_of(self.coordinator), self.beat_port))
+
+    def _answer(self, data: bytes) -> None:
+        got = beats.unpack(data, lambda i: getattr(self.beat_hosts.get(i), "beat_key", None))
+        if got is None or got[0] != beats.ANSWER:
+            return
+        h = self.beat_hosts[got[1]]
+        if h.state != "up":
+            return                  # silent: it does not read
+        h.udp_ok = True
+        h.answered(got[2])
+
+    def forget_beats(self, h: FakeHost) -> None:
+        if h.beat_id and self.beat_hosts.get(h.beat_id) is h:
+            del self.beat_hosts[h.beat_id]
+        h.beat_id, h.phase = 0, 0.0
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "agent_address": self.agent_address,
@@ -631,6 +682,8 @@ class Fleet:
         await self._control.close()
         for s in self._servers:
             await s.stop(0.2)
+        if self.udp is not None:
+            self.udp.close()
 
 
 # ---------------------------------------------------------------------------- sync forms

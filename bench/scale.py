@@ -97,7 +97,9 @@ def idle(coord, fleet, seconds: float) -> dict:
     window is a whole number of periods: 5 s would hold two bursts or three."""
     import math
     seconds = HEARTBEAT_S * math.ceil(seconds / HEARTBEAT_S)
-    time.sleep(1.0)                         # let registration's aftermath settle
+    # Let registration's aftermath settle: hosts beat on their streams until their
+    # first datagram beat is answered (by their second beat).
+    time.sleep(1.0 + 2 * HEARTBEAT_S)
     fleet.stats(reset=True)
     c0, f0, s0, t0 = coord.cpu_s(), fleet.cpu_s(), time.process_time(), time.monotonic()
     time.sleep(seconds)

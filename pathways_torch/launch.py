@@ -109,6 +109,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
             ("--max-sessions", coord.MAX_SESSIONS, "open client sessions at most")):
         ap.add_argument(flag, type=type(default), default=default,
                         help=f"coordinator: {what} (default {default})")
+    ap.add_argument("--udp-beats", action=argparse.BooleanOptionalAction, default=True,
+                    help="coordinator: take workers' beats as UDP datagrams on --port's "
+                    "number (workers fall back to their TCP stream when none is answered)")
     # worker
     ap.add_argument("--coordinator-address", "--master-addr", "--master_addr",
                     dest="coordinator_address",
@@ -227,7 +230,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  devices_shared_by=args.devices_shared_by,
                                  heartbeat_s=args.heartbeat_s, lost_after_s=args.lost_after_s,
                                  session_grace_s=args.session_grace_s,
-                                 max_hosts=args.max_hosts, max_sessions=args.max_sessions))
+                                 max_hosts=args.max_hosts, max_sessions=args.max_sessions,
+                                 udp_beats=args.udp_beats))
         return 0
     if args.worker:
         os.environ.setdefault("CPU_NUM_DEVICES", str(args.devices_per_host))

@@ -202,3 +202,99 @@ def test_a_worker_leaves_a_silent_coordinator_for_the_next_and_clients_get_a_dea
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+# ------------------------------------------------------------------ datagram beats
+def _register_by_hand(stub, done):
+    """A RegisterWorker stream that sends its registration and then nothing."""
+    def up():
+        yield pb.WorkerUp(register=pb.RegisterWorkerRequest(
+            island=0, host=0, num_devices=1, kind="CPU", address="127.0.0.1:1",
+            pid=os.getpid()))
+        done.wait(60)
+    call = stub.RegisterWorker(up())
+    return call, next(call)
+
+
+def test_datagram_beats_alone_keep_a_host_and_replays_or_forgeries_do_not():
+    import socket
+    import threading
+
+    from pathways_torch.rpc import beats
+    coord, address = _coordinator("--heartbeat-s", "0.5", "--lost-after-s", "2")
+    done, call = threading.Event(), None
+    try:
+        call, first = _register_by_hand(pbg.CoordinatorStub(grpc_util.channel(address)),
+                                        done)
+        assert first.beat_port and first.beat_id and len(first.beat_key) == 16
+        assert 0 <= first.beat_phase_s < 0.5
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.connect(("127.0.0.1", first.beat_port))
+        sock.settimeout(2)
+        key, bid = first.beat_key, first.beat_id
+        sock.send(beats.pack(beats.BEAT, bid, 1, key))
+        answer = beats.unpack(sock.recv(64), {bid: key}.get)
+        assert answer == (beats.ANSWER, bid, 1)     # answered under the same key
+        # The stream says nothing after its registration: datagrams alone keep the host
+        # past the 2 s read deadline.
+        seq, t0 = 1, time.monotonic()
+        while time.monotonic() - t0 < 3.5:
+            seq += 1
+            sock.send(beats.pack(beats.BEAT, bid, seq, key))
+            time.sleep(0.2)
+        assert _registered(address) == 1
+        # A replay of the last good datagram, forgeries (another key, a damaged MAC, a
+        # wrong size) and beats for another id do not: the host is lost on time.
+        last = beats.pack(beats.BEAT, bid, seq, key)
+        forged = [beats.pack(beats.BEAT, bid, seq + 100, beats.new_key()),
+                  last[:-1] + bytes([last[-1] ^ 1]), last + b"x",
+                  beats.pack(beats.BEAT, bid + 1, seq + 1, key)]
+        t0 = time.monotonic()
+        while _registered(address) == 1:
+            assert time.monotonic() - t0 < LOST_WITHIN_S, "replays kept the host alive"
+            for data in [last] + forged:
+                sock.send(data)
+            time.sleep(0.1)
+        assert time.monotonic() - t0 > 1.0      # the last good beat still counted
+    finally:
+        done.set()
+        if call is not None:
+            call.cancel()
+        coord.kill()
+        coord.wait()
+
+
+def test_beats_unpack_refuses_what_it_cannot_check():
+    from pathways_torch.rpc import beats
+    key = beats.new_key()
+    good = beats.pack(beats.BEAT, 7, 9, key)
+    assert len(good) == beats.SIZE == 32
+    assert beats.unpack(good, {7: key}.get) == (beats.BEAT, 7, 9)
+    assert beats.unpack(good, {8: key}.get) is None                 # unknown id
+    assert beats.unpack(good, {7: beats.new_key()}.get) is None     # another key
+    assert beats.unpack(good[:-1], {7: key}.get) is None            # short
+    assert beats.unpack(good[:8] + b"\0" + good[9:], {7: key}.get) is None  # damaged
+    assert beats.host_of("[::1]:7000") == "::1" and beats.host_of("a.b:1") == "a.b"
+    spread = sorted(beats.phase(i, 1.0) for i in range(1, 65))
+    assert max(b - a for a, b in zip(spread, spread[1:])) < 3 / 64   # no two bunch up
+
+
+def test_a_worker_beats_on_its_stream_when_the_coordinator_takes_no_datagrams(tmp_path):
+    coord, address = _coordinator("--heartbeat-s", "0.5", "--lost-after-s", "2",
+                                  "--no-udp-beats")
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    w = subprocess.Popen([sys.executable, "-m", "pathways_torch.worker", "--coordinator",
+                          address, "--devices", "1", "--parent-pid", str(os.getpid())],
+                         env=env, stdin=subprocess.DEVNULL,
+                         stderr=open(tmp_path / "worker.log", "wb"), start_new_session=True)
+    try:
+        _until(lambda: _registered(address) == 1, 120, "the worker registered")
+        time.sleep(4)                   # twice the read deadline
+        assert _registered(address) == 1
+    finally:
+        for p in (w, coord):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()

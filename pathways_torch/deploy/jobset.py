@@ -116,7 +116,9 @@ def manifest(name: str, islands: int, hosts_per_island: int, devices_per_host: i
         "command": ["pathways-run", "--coordinator", "--host", "0.0.0.0",
                     "--port", str(port)],
         "env": secret_env,
-        "ports": [{"name": "grpc", "containerPort": port}],
+        # workers' heartbeats come as UDP datagrams to the same port number
+        "ports": [{"name": "grpc", "containerPort": port},
+                  {"name": "beats", "containerPort": port, "protocol": "UDP"}],
         "readinessProbe": _probe(port, 5), "livenessProbe": _probe(port, 10),
     }
     worker_cmd = ["pathways-run", "--worker", "--coordinator-env",

@@ -447,15 +447,16 @@ def call_metadata() -> Optional[tuple]:
     return ((TOKEN_KEY, t),) if t else None
 
 
-def until_beat(period: float) -> float:
-    """Seconds until the next multiple of ``period`` on the wall clock.
+def until_beat(period: float, phase: float = 0.0) -> float:
+    """Seconds until the next multiple of ``period`` (plus ``phase``) on the wall clock.
 
-    Workers and clients send their heartbeats there: hosts' clocks agree (NTP), so a
-    coordinator receives a cluster's beats in one burst a period, which costs it less
-    CPU than the same beats spread evenly (measured: docs/architecture.md, Decision 15).
+    Clients and workers beating on their streams send there: hosts' clocks agree (NTP),
+    so a coordinator receives those beats in one burst a period, which costs it less CPU
+    than the same beats spread evenly (measured: docs/architecture.md, Decision 15).
+    Datagram beats are spread by their ``phase`` instead (Decision 16).
     """
     import time
-    return period - (time.time() % period)
+    return period - ((time.time() - phase) % period)
 
 
 def first_event(call, timeout: float, what: str):

@@ -189,7 +189,10 @@ class _Session:
 
     The agent sends a beat every ``heartbeat_s`` (the coordinator's first event says how
     often, and how long the coordinator may be silent: ``lost_after_s``), on multiples
-    of it on the wall clock, and the coordinator answers every other one. When the stream
+    of it on the wall clock, and the coordinator answers every other one. When the
+    coordinator takes beats as UDP datagrams (``rpc/beats.py``), the agent sends each beat
+    as one too, and stops beating on the stream once an answer has come back that way
+    (a network that drops UDP leaves it on the stream). When the stream
     breaks, or the coordinator says nothing for ``lost_after_s`` (a hung machine, a dead switch: the connection
     stays open), the worker stops its executors, whose slices the coordinator no longer
     knows, and registers again: with the next of its coordinator addresses (a
@@ -211,6 +214,64 @@ class _Session:
         self._channel = None
         self.heartbeat_s, self.lost_after_s = 1.0, 10.0
         self._heard = time.monotonic()
+        self._udp = None                # (socket, beat id, key) of this registration
+        self._phase = 0.0               # where in the period datagram beats go
+        self._udp_ok = False            # an answer came back as a datagram
+
+    def _open_udp(self, first) -> None:
+        """Start beating as datagrams if the coordinator's first event offers it."""
+        import socket
+
+        from ..rpc import beats
+        self._close_udp()
+        if not first.beat_port:
+            return
+        try:
+            host = beats.host_of(self.address)
+            family = socket.getaddrinfo(host, first.beat_port, type=socket.SOCK_DGRAM)[0][0]
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+            sock.connect((host, first.beat_port))
+            sock.setblocking(False)
+        except OSError as e:
+            log.warning("beating on the stream: no UDP to %s:%d (%s)", self.address,
+                        first.beat_port, e)
+            return
+        self._udp = (sock, first.beat_id, first.beat_key)
+        self._phase = first.beat_phase_s
+
+    def _close_udp(self) -> None:
+        if self._udp is not None:
+            self._udp[0].close()
+        self._udp, self._udp_ok, self._phase = None, False, 0.0
+
+    def _udp_answers(self) -> None:
+        """Take the answers that came back as datagrams since the last beat."""
+        from ..rpc import beats
+        udp = self._udp
+        if udp is None:
+            return
+        sock, beat_id, key = udp
+        while True:
+            try:
+                got = beats.unpack(sock.recv(64), {beat_id: key}.get)
+            except OSError:             # none waiting, a closed socket, an ICMP error
+                return
+            if got is not None and got[0] == beats.ANSWER:
+                self._heard = time.monotonic()
+                if not self._udp_ok:
+                    log.info("beating as UDP datagrams to %s", self.address)
+                    self._udp_ok = True
+
+    def _udp_beat(self, beat: int) -> None:
+        from ..rpc import beats
+        udp = self._udp
+        if udp is None:
+            return
+        sock, beat_id, key = udp
+        try:
+            sock.send(beats.pack(beats.BEAT, beat_id, beat, key))
+        except OSError:
+            pass
 
     def _beats(self, call_box: list):
         """The request stream: the registration, then one beat per interval; it ends
@@ -220,9 +281,10 @@ class _Session:
         beat = 0
         from ..rpc.grpc_util import until_beat
         while True:
-            time.sleep(until_beat(self.heartbeat_s))
+            time.sleep(until_beat(self.heartbeat_s, self._phase))
             if call_box and call_box[0].done():
                 return
+            self._udp_answers()
             silent = time.monotonic() - self._heard
             if silent > self.lost_after_s:
                 log.warning("the coordinator at %s said nothing for %.1f s", self.address,
@@ -231,7 +293,9 @@ class _Session:
                     call_box[0].cancel()
                 return
             beat += 1
-            yield pb.WorkerUp(beat=beat)
+            self._udp_beat(beat)
+            if not self._udp_ok:
+                yield pb.WorkerUp(beat=beat)
 
     def _register(self, deadline: Optional[float]) -> bool:
         import grpc
@@ -257,6 +321,7 @@ class _Session:
                 self._channel = channel
                 self.heartbeat_s = first.heartbeat_s or self.heartbeat_s
                 self.lost_after_s = first.lost_after_s or self.lost_after_s
+                self._open_udp(first)
                 log.info("registered as %s with %s", first.worker_id, self.address)
                 return True
             except grpc.RpcError as e:
