@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence, Tuple, Union
+from typing import Iterable, List, Sequence, Tuple, Union
 
 from .errors import ShardingError
 
@@ -148,3 +148,54 @@ def shard_shape(shape: Sequence[int], spec: P, axis_names: Sequence[str],
     return tuple(
         s // math.prod(sizes[a] for a in spec.axes(d)) for d, s in enumerate(shape)
     )
+
+
+Block = Tuple[Tuple[int, int], ...]     # (start, stop) per dimension
+
+
+def device_block(shape: Sequence[int], spec: P, axis_names: Sequence[str],
+                 mesh_shape: Sequence[int], position: int) -> Block:
+    """The part of an array of ``shape`` under ``spec`` that the device at flat mesh
+    ``position`` (row-major) holds. A dimension split over several axes is split over
+    them major-first, as in JAX."""
+    coords = dict(zip(axis_names, _unravel(position, mesh_shape)))
+    sizes = dict(zip(axis_names, mesh_shape))
+    block = []
+    for d, n in enumerate(shape):
+        k, parts = 0, 1
+        for a in spec.axes(d):
+            k, parts = k * sizes[a] + coords[a], parts * sizes[a]
+        step = n // parts
+        block.append((k * step, (k + 1) * step))
+    return tuple(block)
+
+
+def member_blocks(shape: Sequence[int], spec: P, axis_names: Sequence[str],
+                  mesh_shape: Sequence[int], member: int, members: int
+                  ) -> Tuple[List[Block], List[int]]:
+    """What one host of a slice that spans ``members`` hosts holds of an array.
+
+    Devices are host-major: host ``member`` holds mesh positions ``member * L`` to
+    ``(member + 1) * L - 1``, ``L`` = devices per host. Returns the distinct blocks in
+    the order their first device comes (what a put sends that host, and what its fetch
+    answers), and for each local device the index of its block in that list.
+
+    Example: ``member_blocks((8, 4), P("data"), ("data", "model"), (2, 2), 1, 2)``
+    is ``([((4, 8), (0, 4))], [0, 0])``: host 1's two devices both hold rows 4-7."""
+    per_host = math.prod(mesh_shape) // members
+    blocks: List[Block] = []
+    where: List[int] = []
+    for p in range(member * per_host, (member + 1) * per_host):
+        b = device_block(shape, spec, axis_names, mesh_shape, p)
+        if b not in blocks:
+            blocks.append(b)
+        where.append(blocks.index(b))
+    return blocks, where
+
+
+def _unravel(position: int, mesh_shape: Sequence[int]) -> List[int]:
+    out = []
+    for n in reversed(mesh_shape):
+        out.append(position % n)
+        position //= n
+    return out[::-1]

@@ -35,8 +35,8 @@ def test_island_choice_and_errors():
     rm = make()
     s = rm.reserve("c", (4,), ("d",), 1)
     assert s.island == 1
-    with pytest.raises(AllocationError, match="at most 4"):
-        rm.reserve("c", (8,), ("d",), None)
+    with pytest.raises(AllocationError, match="no set of hosts that each give"):
+        rm.reserve("c", (16,), ("d",), None)
     with pytest.raises(AllocationError, match="island 7 does not exist"):
         rm.reserve("c", (1,), ("d",), 7)
     with pytest.raises(AllocationError, match="must be positive"):
@@ -119,6 +119,12 @@ def test_indexed_placement_equals_the_scan_it_replaced():
             except AllocationError:
                 assert want is None, step
                 continue
+            if rec.members:         # bigger than any live host: spans hosts
+                assert want is None and size > max(
+                    h.num_devices for h in rm.hosts.values() if not h.lost
+                    and island in (None, h.island))
+                live.append(rec.slice_id)
+                continue
             assert want is not None and (rec.island, rec.host) == (want.island, want.host)
             live.append(rec.slice_id)
         elif r < 0.95 and live:
@@ -143,3 +149,46 @@ def test_big_clusters_get_a_summary_not_a_list_of_every_host():
         rm.reserve("c", [1], ["d"], None)
     assert [r["host"] for r in rm.device_table(0)][:4] == [0, 0, 1, 1]
     assert rm.device_table(1) == []
+
+
+def test_a_slice_bigger_than_a_host_spans_hosts_of_one_island_host_major():
+    rm = make(islands=2, hosts=4, devices=2)
+    s = rm.reserve("c", (4, 2), ("data", "model"), 1)
+    assert [(h, d) for _, h, d in s.members] == [(0, (0, 1)), (1, (0, 1)), (2, (0, 1)),
+                                                 (3, (0, 1))]
+    assert s.island == 1 and (s.host, s.devices) == (0, (0, 1))
+    # the fewest hosts that each give an equal share, least loaded first
+    t = rm.reserve("c", (4,), ("d",), 0)
+    assert [h for _, h, _ in t.members] == [0, 1]
+    u = rm.reserve("c", (4,), ("d",), 0)
+    assert [h for _, h, _ in u.members] == [2, 3]
+    with pytest.raises(AllocationError, match="no set of hosts.*island 0"):
+        rm.reserve("c", (4,), ("d",), 0)
+    rm.release(t.slice_id)
+    assert {r["state"] for r in rm.device_table(0) if r["host"] < 2} == {"free"}
+    with pytest.raises(AllocationError, match="multiple of a host's devices"):
+        rm.reserve("c", (3,), ("d",), 0)        # 3 = 2 + 1 is not an equal share
+
+
+def test_a_lost_member_frees_the_whole_slice_on_every_host():
+    rm = make(islands=1, hosts=2, devices=2)
+    s = rm.reserve("c", (2, 2), ("data", "model"), 0)
+    gone = rm.mark_lost(s.members[1][0])
+    assert [r.slice_id for r in gone] == [s.slice_id]
+    assert not rm.slices and not rm.slices_of("c")
+    host0 = [r for r in rm.device_table() if r["host"] == 0]
+    assert {r["state"] for r in host0} == {"free"}
+    assert rm.reserve("c", (2,), ("d",), 0).host == 0
+
+
+def test_shared_devices_take_slices_that_span_hosts():
+    rm = ResourceManager(per_device=2)
+    for h in range(2):
+        rm.add_host(0, h, 2, "CPU", f"a{h}", 1)
+    a = rm.reserve("c1", (2, 2), ("data", "model"), 0)
+    b = rm.reserve("c2", (2, 2), ("data", "model"), 0)
+    assert [m[1] for m in a.members] == [m[1] for m in b.members] == [0, 1]
+    with pytest.raises(AllocationError):
+        rm.reserve("c3", (4,), ("d",), 0)
+    rm.release(a.slice_id)
+    assert rm.reserve("c3", (4,), ("d",), 0).members

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import tracing
-from ..errors import OutOfMemoryError, PlacementError
+from ..errors import OutOfMemoryError, PathwaysError, PlacementError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, spec_to_proto, validate_spec
@@ -197,6 +197,8 @@ def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
     t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
     state = runtime.get_state()
     validate_spec(spec, a.shape, dst.axis_names, dst.mesh_shape, "Array.to")
+    if a.slice.spans_hosts or dst.spans_hosts:
+        return _through_client(a, dst, spec)
     if state.dispatch == "sequential":
         wait([a])
     g = graph_mod.current()
@@ -223,6 +225,19 @@ def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
                  f"a transfer of {a._origin}")
 
 
+def _through_client(a: Array, dst: "runtime.Slice", spec: P) -> Array:
+    """A move to or from a slice that spans hosts: fetched here and put there (its
+    members have no data sockets yet, issue 14), so it blocks until ``a`` exists."""
+    if graph_mod.current() is not None:
+        raise PathwaysError(
+            f"Array.to between {a.slice!r} and {dst!r} inside pw.graph(): a slice that "
+            "spans hosts moves Arrays through the client, which needs them computed; "
+            "move it before or after the graph block")
+    out = put(a.torch(), dst, spec)
+    out._origin = f"a transfer of {a._origin}"
+    return out
+
+
 def wait(arrays: Iterable[Array], timeout: Optional[float] = None) -> None:
     """Block until every Array exists; raise the first failure (with its program's name).
 
@@ -246,7 +261,7 @@ def wait(arrays: Iterable[Array], timeout: Optional[float] = None) -> None:
         (g,) = groups.values()
         g["conn"].wait(g["ids"], g["seq"], g["what"], timeout)
         return
-    # Many slices: every slice's Wait goes out at once.
+    # Many slices (or hosts of one slice): every Wait goes out at once.
     from .connection import wait_many
-    wait_many([(g["conn"], g["ids"], g["seq"], g["what"]) for g in groups.values()],
-              timeout)
+    wait_many([(c, g["ids"], g["seq"], g["what"]) for g in groups.values()
+               for c in g["conn"].parts()], timeout)

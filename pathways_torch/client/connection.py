@@ -206,6 +206,15 @@ class ExecutorConnection:
     def seq(self) -> int:
         return self._seq
 
+    def send_gang(self, position: int, slice_seq: int, ops: list):
+        """Queue a recorded graph's ops for this slice as one GangOp."""
+        return self.send(pb.Op(gang=pb.GangOp(position=position, slice_seq=slice_seq,
+                                              ops=ops)), direct=True)
+
+    def parts(self) -> List["ExecutorConnection"]:
+        """The executor connections behind this one (itself; see client/members.py)."""
+        return [self]
+
     def release(self, buffer_id: int) -> None:
         """Called from Array finalizers; SimpleQueue.put is safe there (reentrant)."""
         if not self.closed:

@@ -87,8 +87,7 @@ class Graph:
         with _submit_lock:
             positions, seqs = state.schedule(slice_ids)
             for conn, pos, seq in zip(conns, positions, seqs):
-                gang = pb.GangOp(position=pos, slice_seq=seq, ops=self._ops[conn])
-                self._cells[conn].value = conn.send(pb.Op(gang=gang), direct=True)
+                self._cells[conn].value = conn.send_gang(pos, seq, self._ops[conn])
                 self.positions[conn.slice_id] = pos
         self._keep.clear()
         if t0:

@@ -74,9 +74,21 @@ class Slice:
         #: Bytes of buffers the slice's executor may hold at once (see pw.init).
         self.memory_budget = reply.memory_budget
         self._state = state
-        self._conn = ExecutorConnection(reply.executor_address,
-                                        f"island {reply.island} host {reply.host}",
-                                        state.timeout, reply.slice_id, reply.slice_key)
+        #: The hosts the slice's devices are on, host-major (one unless it spans hosts).
+        self.hosts = tuple(m.host for m in reply.members) or (reply.host,)
+        if len(reply.members) > 1:
+            from .members import MembersConnection
+            self._conn = MembersConnection(reply, self.mesh_shape, self.axis_names,
+                                           state.timeout)
+        else:
+            self._conn = ExecutorConnection(reply.executor_address,
+                                            f"island {reply.island} host {reply.host}",
+                                            state.timeout, reply.slice_id, reply.slice_key)
+
+    @property
+    def spans_hosts(self) -> bool:
+        """The slice's devices are on more than one host (one SPMD program over all)."""
+        return len(self.hosts) > 1
 
     @property
     def size(self) -> int:
@@ -115,7 +127,11 @@ class Slice:
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))
-        return f"Slice({axes}; island {self.island} host {self.host})"
+        if self.spans_hosts:
+            where = "hosts " + ", ".join(map(str, self.hosts))
+        else:
+            where = f"host {self.host}"
+        return f"Slice({axes}; island {self.island} {where})"
 
 
 class _State:

@@ -78,6 +78,15 @@ class SliceRecord:
     axis_names: Tuple[str, ...]
     worker_id: str
     executor_address: str = ""
+    #: A slice that spans hosts: (worker id, host, devices) of each member, host-major;
+    #: member 0 is also worker_id/host/devices above. Empty for a one-host slice.
+    members: Tuple[Tuple[str, int, Tuple[int, ...]], ...] = ()
+
+    def placements(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """(worker id, devices) of every host the slice uses."""
+        if self.members:
+            return [(w, d) for w, _, d in self.members]
+        return [(self.worker_id, self.devices)]
 
 
 class _FreeIndex:
@@ -126,12 +135,15 @@ class _FreeIndex:
 
 
 class ResourceManager:
-    """Maps a slice's virtual devices onto physical devices of one host.
+    """Maps a slice's virtual devices onto physical devices.
 
-    On backends without cross-process collectives (CPU XLA), a slice's SPMD program must
-    live in one process, so a slice never spans hosts. Among the hosts that fit, the
-    least-loaded one is chosen (most free devices), which spreads slices over hosts and
-    islands as the paper's simple load-balancing heuristic does.
+    A slice that fits on one host gets one host: among the hosts that fit, the
+    least-loaded one (most free devices), which spreads slices over hosts and islands
+    as the paper's simple load-balancing heuristic does. A bigger slice spans hosts of
+    one island (issue 14): the fewest hosts that each give the same number of devices,
+    least loaded first, ordered by host number, so devices are host-major and the
+    mesh's outer axis is the one that crosses hosts. That placement scans the island's
+    hosts (such slices are few and big).
 
     ``per_device`` is how many slices may share one physical device (the paper's virtual
     devices; 1, the default, makes slices exclusive). Shared devices time-multiplex their
@@ -207,6 +219,7 @@ class ResourceManager:
             gone = [self.slices.pop(sid) for sid in sorted(h.slices)]
             for r in gone:
                 self._of_client[r.client_id].discard(r.slice_id)
+                self._unplace(r, skip=h)    # a slice that spans hosts dies whole
             h.slices.clear()
             h.owner = {d: [] for d in range(h.num_devices)}
             h.n_free, h.n_load = h.num_devices, 0
@@ -239,11 +252,8 @@ class ResourceManager:
             index = self._index[island]
             biggest = index.biggest()
             if size > biggest:
-                raise AllocationError(
-                    f"a slice of mesh shape {tuple(mesh_shape)} needs {size} devices, but a "
-                    f"slice lives on one host and hosts here have at most {biggest}; ask for "
-                    f"at most {biggest} devices (or start hosts with more devices)",
-                    "exhausted")
+                return self._reserve_hosts(client_id, tuple(mesh_shape),
+                                           tuple(axis_names), island, size)
             cap = self.per_device
             h = index.best(size) if cap == 1 else self._scan(size, island)
             if h is None:
@@ -286,17 +296,73 @@ class ResourceManager:
             self._of_client[rec.client_id].discard(slice_id)
             if not self._of_client[rec.client_id]:
                 del self._of_client[rec.client_id]
-            h = self.hosts.get(rec.worker_id)
-            if h is not None:
-                for d in rec.devices:
-                    if slice_id in h.owner.get(d, ()):
-                        h.owner[d].remove(slice_id)
-                        h.n_load -= 1
-                        if not h.owner[d]:
-                            h.n_free += 1
-                h.slices.discard(slice_id)
-                self._touch(h)
+            self._unplace(rec)
             return rec
+
+    def _unplace(self, rec: SliceRecord, skip: Optional[Host] = None) -> None:
+        """Give back the devices ``rec`` holds on every host but ``skip``."""
+        for wid, devices in rec.placements():
+            h = self.hosts.get(wid)
+            if h is None or h is skip:
+                continue
+            for d in devices:
+                if rec.slice_id in h.owner.get(d, ()):
+                    h.owner[d].remove(rec.slice_id)
+                    h.n_load -= 1
+                    if not h.owner[d]:
+                        h.n_free += 1
+            h.slices.discard(rec.slice_id)
+            self._touch(h)
+
+    def _reserve_hosts(self, client_id: str, mesh_shape: Tuple[int, ...],
+                       axis_names: Tuple[str, ...], island: Optional[int],
+                       size: int) -> SliceRecord:
+        """A slice over several hosts of one island (lock held): the fewest hosts that
+        each give ``size / hosts`` devices."""
+        cap = self.per_device
+        islands = [island] if island is not None else sorted(
+            i for i, n in self._island_live.items() if n > 0)
+        best = None
+        for i in islands:
+            live = [self.hosts[w] for j, _, w in self._order
+                    if j == i and not self.hosts[w].lost]
+            room = sorted(((len(h.available(cap)), h) for h in live),
+                          key=lambda t: (-t[0], t[1].n_load, t[1].host))
+            for n in range(2, len(room) + 1):
+                if size % n or room[n - 1][0] < size // n:
+                    continue
+                if best is None or n < len(best[1]):
+                    best = (size // n, sorted((h for _, h in room[:n]),
+                                              key=lambda h: h.host))
+                break
+        if best is None:
+            where = f"island {island}" if island is not None else "any island"
+            raise AllocationError(
+                f"a slice of mesh shape {mesh_shape} needs {size} devices: more than one "
+                f"host has, and {where} has no set of hosts that each give an equal share "
+                f"of them (a slice spans the hosts of one island, the same number of "
+                f"devices on each); free now: {self._free_text(island)}. Release slices, "
+                "or ask for a size that is a multiple of a host's devices", "exhausted")
+        per_host, hosts = best
+        sid = f"s{next(self._ids)}"
+        members = []
+        for h in hosts:
+            devices = tuple(sorted(h.available(cap)[:per_host]))
+            for d in devices:
+                if not h.owner[d]:
+                    h.n_free -= 1
+                h.owner[d].append(sid)
+            h.n_load += per_host
+            h.slices.add(sid)
+            self._touch(h)
+            members.append((h.worker_id, h.host, devices))
+        first = hosts[0]
+        rec = SliceRecord(sid, client_id, first.island, first.host, members[0][2],
+                          mesh_shape, axis_names, first.worker_id, members=tuple(members))
+        self.slices[sid] = rec
+        self._of_client[client_id].add(sid)
+        self._index[island].compact(self.live_hosts)
+        return rec
 
     def slices_of(self, client_id: str) -> List[SliceRecord]:
         with self._lock:

@@ -392,6 +392,9 @@ class CoordinatorService(pbg.CoordinatorServicer):
         for rec in gone:
             self.scheduler.forget(rec.slice_id)
             by_client.setdefault(rec.client_id, []).append(rec.slice_id)
+            for wid, _ in rec.placements():     # the other hosts of a spanning slice
+                if wid != worker_id:
+                    self._spawn(self._stop_executor(wid, rec.slice_id))
         for client_id, sids in by_client.items():
             s = self._sessions.get(client_id)
             if s is not None:
@@ -508,12 +511,14 @@ class CoordinatorService(pbg.CoordinatorServicer):
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.code == "exhausted"
                     else grpc.StatusCode.INVALID_ARGUMENT)
             raise _Abort(code, str(e)) from None
+        key = secrets.token_hex(16)
+        if rec.members:
+            return await self._start_members(rec, request, session, key)
         agent = self._agents.get(rec.worker_id)
         if agent is None:
             self.rm.release(rec.slice_id)
             raise _Abort(grpc.StatusCode.UNAVAILABLE,
                          f"island {rec.island} host {rec.host} is gone; ask again")
-        key = secrets.token_hex(16)
         try:
             rep = await agent[1].StartExecutor(pb.StartExecutorRequest(
                 slice_id=rec.slice_id, device_indices=list(rec.devices),
@@ -541,6 +546,63 @@ class CoordinatorService(pbg.CoordinatorServicer):
         for d in rec.devices:
             reply.devices.add(island=rec.island, host=rec.host, index=d, kind=h.kind,
                               state="in_use", slice_id=rec.slice_id)
+        return reply
+
+    async def _start_members(self, rec, request, session, key: str):
+        """A slice that spans hosts: member 0 first (it picks the rendezvous), then the
+        others at once; any failure stops those started and gives the devices back."""
+        n = len(rec.members)
+        started: list = []
+
+        async def start(k: int, rendezvous: str):
+            wid, host, devices = rec.members[k]
+            agent = self._agents.get(wid)
+            if agent is None:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                             f"island {rec.island} host {host} is gone; ask again")
+            try:
+                rep = await agent[1].StartExecutor(pb.StartExecutorRequest(
+                    slice_id=rec.slice_id, device_indices=list(devices),
+                    mesh_shape=list(rec.mesh_shape), axis_names=list(rec.axis_names),
+                    client_id=request.client_id, slice_key=key, member=k, num_members=n,
+                    rendezvous=rendezvous,
+                    share=session.share if self.rm.per_device > 1 else 0.0),
+                    timeout=120, metadata=grpc_util.call_metadata())
+            except grpc.aio.AioRpcError as e:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                             f"island {rec.island} host {host} could not start member {k} "
+                             f"of slice {rec.slice_id}: {e.details()}") from None
+            started.append(wid)
+            return rep
+
+        try:
+            first = await start(0, "")
+            rest = await asyncio.gather(*(start(k, first.rendezvous) for k in range(1, n)),
+                                        return_exceptions=True)
+            for r in rest:
+                if isinstance(r, BaseException):
+                    raise r
+            if self.rm.slices.get(rec.slice_id) is not rec:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                             f"a host of slice {rec.slice_id} was lost while it started; "
+                             "ask again")
+        except BaseException:
+            self.rm.release(rec.slice_id)
+            for wid in started:
+                self._spawn(self._stop_executor(wid, rec.slice_id))
+            raise
+        reps = [first] + list(rest)
+        rec.executor_address = first.address
+        reply = pb.AllocateSliceReply(slice_id=rec.slice_id, executor_address=first.address,
+                                      island=rec.island, host=rec.host, slice_key=key,
+                                      memory_budget=first.memory_budget)
+        for (wid, host, devices), rep in zip(rec.members, reps):
+            reply.members.add(island=rec.island, host=host, device_indices=list(devices),
+                              executor_address=rep.address, data_address=rep.data_address)
+            kind = self.rm.hosts[wid].kind
+            for d in devices:
+                reply.devices.add(island=rec.island, host=host, index=d, kind=kind,
+                                  state="in_use", slice_id=rec.slice_id)
         return reply
 
     @_answers
@@ -585,7 +647,8 @@ class CoordinatorService(pbg.CoordinatorServicer):
         if rec is None:
             return
         self.scheduler.forget(slice_id)
-        await self._stop_executor(rec.worker_id, slice_id)
+        await asyncio.gather(*(self._stop_executor(wid, slice_id)
+                               for wid, _ in rec.placements()))
 
     async def _stop_executor(self, worker_id: str, slice_id: str) -> None:
         agent = self._agents.get(worker_id)

@@ -213,10 +213,15 @@ def check_start_executor(req, num_devices: int) -> None:
         check_int(d, "device index", 0, num_devices - 1)
     if len(set(devs)) != len(devs):
         raise _bad(f"device indices {devs[:16]} repeat")
-    n = check_mesh(list(req.mesh_shape), list(req.axis_names), num_devices)
-    if n != len(devs):
+    members = max(1, req.num_members)
+    check_int(members, "members", 1, MAX_DEVICES)
+    check_int(req.member, "member", 0, members - 1)
+    if req.rendezvous:
+        check_address(req.rendezvous, "rendezvous")
+    n = check_mesh(list(req.mesh_shape), list(req.axis_names), num_devices * members)
+    if n != len(devs) * members:
         raise _bad(f"mesh shape {list(req.mesh_shape)} has {n} devices but {len(devs)} "
-                   "device indices were given")
+                   f"device indices on each of {members} hosts were given")
     check_name(req.client_id, "client id", empty_ok=True, pattern=_ID_RE)
     if req.share != 0:
         check_float(req.share, "share", MIN_SHARE, MAX_SHARE)
@@ -226,7 +231,10 @@ def check_executor_ready(req) -> None:
     check_int(req.pid, "pid", 1, 1 << 31)
     if not req.error:
         check_address(req.address, "executor address")
-        check_address(req.data_address, "data address")
+        if req.rendezvous:      # a member of a slice that spans hosts: no data socket
+            check_address(req.rendezvous, "rendezvous")
+        else:
+            check_address(req.data_address, "data address")
 
 
 # ------------------------------------------------------------------ tensors and specs

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -104,6 +105,7 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
             self._lock = threading.Lock()
             self._pending: dict = {}     # slice_id -> (Event, [reply])
             self.executors: dict = {}    # slice_id -> pid
+            self.members: dict = {}      # pid -> Popen: members of slices that span hosts
             self.rec = tracing.Recorder(tracing.skew_from_env())
 
         def Profile(self, request, context):
@@ -129,19 +131,45 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
                     context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                   f"slice {request.slice_id} already has an executor")
                 self._pending[request.slice_id] = (ev, box)
-            zygote.spawn(dict(
+            spec = dict(
                 slice_id=request.slice_id, devices=list(request.device_indices),
                 mesh_shape=list(request.mesh_shape), axis_names=list(request.axis_names),
                 agent_address=self.address, island=island, host=host, kind=kind,
                 bind_host=bind_host, advertise_host=advertise_host,
                 client_id=request.client_id, share=request.share,
                 arbiter=arbiter_path, slice_key=request.slice_key,
-                memory_budget=device_budget))
-            ok = ev.wait(120)
+                memory_budget=device_budget)
+            member = None
+            if request.num_members > 1:
+                # A host of a slice that spans hosts: a fresh process on jaxlib (see
+                # worker/member.py), not a fork of the torch_xla zygote.
+                spec.update(member=request.member, num_members=request.num_members,
+                            rendezvous=request.rendezvous, agent_pid=os.getpid())
+                member = subprocess.Popen(
+                    [sys.executable, "-m", "pathways_torch.worker.member"],
+                    stdin=subprocess.PIPE, text=True)
+                member.stdin.write(json.dumps(spec) + "\n")
+                member.stdin.close()
+            else:
+                zygote.spawn(spec)
+            deadline = time.monotonic() + 120
+            ok = ev.wait(0.2 if member is not None else 120)
+            while not ok and member is not None and member.poll() is None and (
+                    time.monotonic() < deadline):
+                ok = ev.wait(0.2)
+            if member is not None and member.poll() is not None and not box:
+                ok = True
+                box.append(pb.ExecutorReadyRequest(
+                    pid=member.pid, error=f"the member process exited ({member.returncode})"))
             with self._lock:
                 self._pending.pop(request.slice_id, None)
                 if ok and not box[0].error:
                     self.executors[request.slice_id] = box[0].pid
+                    if member is not None:
+                        self.members[box[0].pid] = member
+            if member is not None and (not ok or box[0].error):
+                member.kill()
+                member.wait()
             if not ok:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                               "the executor did not start within 120 s")
@@ -150,7 +178,8 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
                               f"the executor failed to start: {box[0].error}")
             return pb.StartExecutorReply(address=box[0].address, pid=box[0].pid,
                                          data_address=box[0].data_address,
-                                         memory_budget=box[0].memory_budget)
+                                         memory_budget=box[0].memory_budget,
+                                         rendezvous=box[0].rendezvous)
 
         def ExecutorReady(self, request, context):
             with self._lock:
@@ -170,7 +199,7 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
             if pid is None:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"slice {request.slice_id[:64]!r}"
                               " has no executor here")
-            _kill_and_wait(pid)
+            self._stop(pid)
             self.rec.add("rpc", "StopExecutor", t0, detail=request.slice_id)
             return pb.Empty()
 
@@ -179,7 +208,20 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
                 pids = list(self.executors.values())
                 self.executors.clear()
             for pid in pids:
-                _kill_and_wait(pid, 2.0)
+                self._stop(pid, 2.0)
+
+        def _stop(self, pid: int, timeout: float = 5.0) -> None:
+            with self._lock:
+                member = self.members.pop(pid, None)
+            if member is None:
+                _kill_and_wait(pid, timeout)       # the zygote's child: the kernel reaps it
+                return
+            member.terminate()
+            try:
+                member.wait(timeout)
+            except subprocess.TimeoutExpired:
+                member.kill()
+                member.wait()
 
     return WorkerService()
 

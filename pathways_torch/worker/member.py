@@ -1,0 +1,558 @@
+"""The executor of one host of a slice that spans hosts (issue 14).
+
+Each host of such a slice runs one of these processes, a member; together they act as
+one executor. The client sends every member the same ordered stream (the programs, in
+the same order: that is what keeps their collectives from deadlocking), except that a
+put carries only the shards of the member's own devices, and a fetch answers with them.
+Programs run on ``MultiHostRuntime`` (jaxlib's PJRT client, gloo collectives; Decision
+18 in docs/architecture.md), so a member is a fresh process started by the worker
+agent, not a fork of its torch_xla zygote: the two XLA runtimes do not share a process.
+
+Start-up: member 0 picks the rendezvous (a free port on its host) and reports it with
+its address; the coordinator then starts the others with it. Every member reports
+ready as soon as it serves gRPC and meets the others in the background, so the slice's
+ops wait for the meeting, not the allocation.
+
+Transfers to or from other slices, checkpoints and donation are not done here yet:
+the client moves such Arrays through itself (see ``client/members.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from .. import tracing
+from ..rpc import validate
+from ..sharding import member_blocks, spec_candidates, spec_from_proto, spec_to_proto
+
+log = logging.getLogger("pathways.member")
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a wire dtype name (``rpc/codec.py``'s names)."""
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class _Buf:
+    __slots__ = ("array", "error", "nbytes")
+
+    def __init__(self, array=None, error=None, nbytes: int = 0) -> None:
+        self.array, self.error, self.nbytes = array, error, nbytes
+
+
+class _Program:
+    def __init__(self, name: str, compiled, params, constants) -> None:
+        self.name, self.compiled = name, compiled
+        self.params = params            # ("i", k) or ("c", k) per HLO parameter
+        self.constants = constants      # global arrays
+
+
+def _make_servicer_base():
+    from ..rpc import pathways_pb2_grpc as pbg
+    return pbg.ExecutorServicer
+
+
+class MemberService(_make_servicer_base()):
+    """The Executor service of one member; ops run in stream order on one thread."""
+
+    def __init__(self, req: dict) -> None:
+        from ..rpc import pathways_pb2 as pb
+        self.pb = pb
+        self.req = req
+        self.slice_id = req["slice_id"]
+        self.member, self.members = int(req["member"]), int(req["num_members"])
+        self.mesh_shape = tuple(req["mesh_shape"])
+        self.axis_names = tuple(req["axis_names"])
+        self.local_devices = len(req["devices"])
+        self.where = f"island {req['island']} host {req['host']}"
+        self._key = req.get("slice_key", "")
+        self.budget = int(req.get("memory_budget") or 0) or (8 << 30)
+        self.rt = None                  # MultiHostRuntime, once the members have met
+        self.mesh = None
+        self._met = threading.Event()
+        self._meet_error = ""
+        self.store: Dict[int, _Buf] = {}
+        self.cond = threading.Condition()
+        self.processed = 0
+        self.programs: Dict[str, _Program] = {}
+        self.executed = self.compiles = 0
+        self.gang_positions: List[int] = []
+        self._unready: List[int] = []   # outputs not yet checked by a watermark
+        self._failed_new: List[int] = []  # buffers put failed since the last watermark
+        self._puts: dict = {}           # buffer id -> [meta, spec, chunks] while chunked
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._events: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._stream_lock = threading.Lock()
+        self._streaming = False
+        self.rec = tracing.Recorder(tracing.skew_from_env())
+        self.process_name = (f"executor {self.where} slice {self.slice_id} member "
+                             f"{self.member}/{self.members}")
+        threading.Thread(target=self._loop, name="member", daemon=True).start()
+
+    # ------------------------------------------------------------------ start-up
+    def meet(self, rendezvous: str) -> None:
+        """Meet the other members at ``rendezvous`` (blocks until all have come)."""
+        from .multihost import MultiHostError, MultiHostRuntime
+        try:
+            self.rt = MultiHostRuntime(rendezvous, self.members, self.member,
+                                       self.local_devices,
+                                       heartbeat_timeout_s=int(self.req.get(
+                                           "heartbeat_timeout_s", 10)),
+                                       init_timeout_s=120)
+            self.mesh = self.rt.mesh(self.mesh_shape, self.axis_names)
+        except MultiHostError as e:
+            self._meet_error = str(e)
+        except Exception as e:      # noqa: BLE001 (report any start-up failure)
+            self._meet_error = f"{type(e).__name__}: {e}"
+        self._met.set()
+
+    # ------------------------------------------------------------------ helpers
+    def _err(self, kind: str, message: str, program: str = ""):
+        return self.pb.BufferError(kind=kind, message=message, program=program,
+                                   host=self.where)
+
+    def _authorize(self, context) -> None:
+        if self._key:
+            from ..rpc.ownership import check_slice_key
+            check_slice_key(context, self._key,
+                            f"slice {self.slice_id} on {self.where} belongs to another "
+                            "client (or the call lacks the slice key from AllocateSlice)")
+
+    def _failure(self, e: Exception, program: str = ""):
+        """A runtime failure as a BufferError: a peer's broken connection is a lost
+        member (the whole slice is one failure domain)."""
+        text = str(e)
+        low = text.lower()
+        lost = any(w in low for w in ("gloo", "connection", "peer", "socket", "closed",
+                                      "unavailable", "coordination"))
+        if lost:
+            return self._err("lost", f"a host of slice {self.slice_id} ({self.members} "
+                             f"hosts) failed during a collective: {text[:400]}", program)
+        return self._err("program", text[:1000], program)
+
+    def _check_ready(self, bid: int, buf: _Buf) -> None:
+        """Block until ``buf`` is computed; a failure becomes its error."""
+        if buf.error is not None or buf.array is None:
+            return
+        try:
+            buf.array.block_until_ready()
+        except Exception as e:      # noqa: BLE001 (jaxlib's errors are untyped)
+            buf.error = self._failure(e)
+            buf.array = None
+
+    def _wait_entry(self, bid: int, after_seq: int, timeout: float) -> Optional[_Buf]:
+        with self.cond:
+            if not self.cond.wait_for(lambda: bid in self.store or
+                                      self.processed >= after_seq, timeout):
+                raise TimeoutError
+            return self.store.get(bid)
+
+    # ------------------------------------------------------------------ RPCs
+    def Compile(self, request, context):
+        self._authorize(context)
+        validate.guard(context, validate.check_compile, request, self.axis_names,
+                       self.budget * self.local_devices * self.members)
+        fut: Future = Future()
+        self._queue.put(("compile", request, fut))
+        try:
+            return fut.result()
+        except Exception as e:      # noqa: BLE001
+            import grpc
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"compiling program '{request.name}' on {self.where} (member "
+                          f"{self.member} of {self.members}) failed: {e}")
+
+    def Dispatch(self, request_iterator, context):
+        self._authorize(context)
+        with self._stream_lock:
+            if self._streaming:
+                import grpc
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"slice {self.slice_id} on {self.where} already has a "
+                              "Dispatch stream; a slice serves one client stream")
+            self._streaming = True
+            events = self._events = queue.SimpleQueue()
+
+        def pump():
+            index = 0
+            try:
+                for batch in request_iterator:
+                    for op in batch.ops:
+                        if op.WhichOneof("kind") != "release":
+                            index += 1
+                            self._queue.put(("op", op, index))
+                        else:
+                            self._queue.put(("op", op, 0))
+            except Exception:       # noqa: BLE001 (the stream ended)
+                pass
+            finally:
+                events.put(None)
+
+        threading.Thread(target=pump, name="dispatch-pump", daemon=True).start()
+        try:
+            while True:
+                ev = events.get()
+                if ev is None:
+                    return
+                yield ev
+        finally:
+            with self._stream_lock:
+                self._streaming = False
+
+    def Fetch(self, request, context):
+        self._authorize(context)
+        validate.guard(context, validate.check_timeout, request.timeout_s)
+        timeout = request.timeout_s or 600.0
+        pb = self.pb
+        try:
+            buf = self._wait_entry(request.buffer_id, request.after_seq, timeout)
+        except TimeoutError:
+            yield pb.FetchChunk(has_error=True, error=self._err(
+                "timeout", f"buffer {request.buffer_id} not ready in {timeout} s"))
+            return
+        if buf is None:
+            yield pb.FetchChunk(has_error=True, error=self._err(
+                "unknown_buffer", f"buffer {request.buffer_id} does not exist"))
+            return
+        self._check_ready(request.buffer_id, buf)
+        if buf.error is not None:
+            yield pb.FetchChunk(has_error=True, error=buf.error)
+            return
+        arr = buf.array
+        first = pb.FetchChunk()
+        first.meta.dtype = _dtype_name(arr.dtype)
+        first.meta.shape.extend(arr.shape)
+        seen, parts = set(), []
+        shards = sorted(arr.addressable_shards, key=lambda s: s.device.id)
+        if not request.local_shards:
+            shards = shards[:0]
+        for s in shards:
+            start = tuple(sl.start or 0 for sl in s.index)
+            if start in seen:
+                continue
+            seen.add(start)
+            value = np.ascontiguousarray(np.asarray(s.data))
+            first.blocks.add(start=list(start), shape=list(value.shape))
+            parts.append(value.tobytes())
+        if not request.local_shards:
+            # The whole value: only this member's shards exist here; say what to ask.
+            yield pb.FetchChunk(has_error=True, error=self._err(
+                "input", "a member of a slice that spans hosts answers local_shards "
+                "fetches only"))
+            return
+        data = b"".join(parts)
+        from ..rpc.codec import CHUNK_BYTES
+        pieces = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+        first.data = pieces[0]
+        yield first
+        for p in pieces[1:]:
+            yield pb.FetchChunk(data=p)
+
+    def Wait(self, request, context):
+        self._authorize(context)
+        validate.guard(context, validate.check_wait, request)
+        pb = self.pb
+        timeout = request.timeout_s or 600.0
+        deadline = time.monotonic() + timeout
+        reply = pb.WaitReply()
+        for bid in request.buffer_ids:
+            try:
+                buf = self._wait_entry(bid, request.after_seq,
+                                       max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                reply.errors.append(self._err("timeout", f"buffer {bid} not ready in "
+                                              f"{timeout} s"))
+                reply.failed.append(True)
+                continue
+            if buf is None:
+                buf = _Buf(error=self._err("unknown_buffer", f"buffer {bid} does not exist"))
+            self._check_ready(bid, buf)
+            reply.failed.append(buf.error is not None)
+            reply.errors.append(buf.error if buf.error is not None else pb.BufferError())
+        return reply
+
+    def Stats(self, request, context):
+        self._authorize(context)
+        with self.cond:
+            nbytes = sum(b.nbytes for b in self.store.values())
+            n = len(self.store)
+        return self.pb.StatsReply(
+            num_buffers=n, buffer_bytes=nbytes, num_programs=len(self.programs),
+            num_devices=self.local_devices * self.members, executed=self.executed,
+            compiles=self.compiles, pid=os.getpid(), gang_positions=self.gang_positions,
+            memory_budget=self.budget)
+
+    def Profile(self, request, context):
+        self._authorize(context)
+        validate.guard(context, validate.check_profile, request, self.rec.active)
+        return tracing.serve_profile(self.pb, self.rec, request, self.process_name)
+
+    # ------------------------------------------------------------------ the op thread
+    def _loop(self) -> None:
+        self._met.wait()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, msg, index = item
+            if kind == "compile":
+                try:
+                    if self._meet_error:
+                        raise RuntimeError(self._meet_error)
+                    index.set_result(self._compile(msg))
+                except Exception as e:      # noqa: BLE001
+                    log.debug("compile failed: %s", traceback.format_exc())
+                    index.set_exception(e)
+                continue
+            try:
+                self._process(index, msg)
+            except Exception:       # noqa: BLE001 (never let one op end the stream)
+                log.error("op failed: %s", traceback.format_exc())
+            if index:
+                with self.cond:
+                    self.processed = index
+                    self.cond.notify_all()
+
+    def _process(self, index: int, op) -> None:
+        which = op.WhichOneof("kind")
+        if which == "gang":
+            if op.gang.slice_seq > 0:
+                self.gang_positions.append(op.gang.position)
+            for inner in op.gang.ops:
+                self._one(inner, index)
+        else:
+            self._one(op, index)
+
+    def _put_buf(self, bid: int, buf: _Buf) -> None:
+        with self.cond:
+            self.store[bid] = buf
+            self.cond.notify_all()
+        if buf.array is not None:
+            self._unready.append(bid)
+        else:
+            self._failed_new.append(bid)
+
+    def _fail(self, ids, err) -> None:
+        for b in ids:
+            self._put_buf(b, _Buf(error=err))
+
+    def _one(self, op, index: int) -> None:
+        which = op.WhichOneof("kind")
+        if self._meet_error and which not in ("release", "barrier", "watch"):
+            self._fail(validate.op_outputs(op), self._err(
+                "lost", f"the hosts of slice {self.slice_id} did not meet: "
+                f"{self._meet_error}"))
+            return
+        if which == "execute":
+            self._execute(op.execute)
+        elif which == "put":
+            self._put(op.put)
+        elif which == "release":
+            with self.cond:
+                for b in op.release.buffer_ids:
+                    self.store.pop(b, None)
+        elif which == "barrier":
+            self._events.put(self.pb.DispatchEvent(barrier=op.barrier.token))
+        elif which == "watch":
+            self._watch(index)
+        else:
+            self._fail(validate.op_outputs(op), self._err(
+                "program", f"{which} is not done on a slice that spans hosts yet "
+                "(issue 14): Array.to moves such Arrays through the client, and "
+                "checkpoints of them are not written"))
+
+    def _watch(self, index: int) -> None:
+        """A completion watermark covering every op before this one."""
+        ev = self.pb.DispatchEvent(done_seq=index)
+        pending, self._unready = self._failed_new + self._unready, []
+        self._failed_new = []
+        with self.cond:
+            bufs = [(b, self.store.get(b)) for b in pending]
+        for b, buf in bufs:
+            if buf is None:
+                continue
+            self._check_ready(b, buf)
+            if buf.error is not None:
+                ev.failed_ids.append(b)
+                ev.errors.append(buf.error)
+        self._events.put(ev)
+
+    def _compile(self, req):
+        from ..sharding import P
+        t0 = time.perf_counter()
+        rt = self.rt
+        constants = [rt.put(np.frombuffer(c.data, np_dtype(c.meta.dtype)).reshape(
+            tuple(c.meta.shape)), P(), self.mesh) for c in req.constants]
+        params, specs = [], []
+        for p in req.params:
+            if p.WhichOneof("source") == "input":
+                params.append(("i", p.input))
+                specs.append(spec_from_proto(req.input_specs[p.input]))
+            else:
+                params.append(("c", p.constant))
+                specs.append(P())
+        out_specs = ([spec_from_proto(s) for s in req.out_specs]
+                     if req.has_out_specs else None)
+        compiled = rt.compile(req.hlo, specs, self.mesh, out_specs)
+        reply = self.pb.CompileReply()
+        for k, (shape, sh) in enumerate(zip(compiled.out_shapes, compiled.out_shardings)):
+            spec = out_specs[k] if out_specs is not None else self._spec_of(sh, len(shape))
+            spec_to_proto(spec if spec is not None else P(), reply.out_specs.add())
+            reply.out_spec_known.append(spec is not None)
+            reply.out_hlo_shardings.append(str(sh._to_xla_hlo_sharding(len(shape))))
+        self.programs[req.program_id] = _Program(req.name, compiled, params, constants)
+        self.compiles += 1
+        reply.compile_s = time.perf_counter() - t0
+        return reply
+
+    def _spec_of(self, sharding, rank: int):
+        """The partition spec GSPMD's choice for a result is, or None."""
+        want = sharding._to_xla_hlo_sharding(rank)
+        if want.is_replicated():
+            from ..sharding import P
+            return P()
+        for cand in spec_candidates(rank, self.axis_names):
+            if self.rt.sharding(cand, self.mesh)._to_xla_hlo_sharding(rank) == want:
+                return cand
+        return None
+
+    def _execute(self, op) -> None:
+        prog = self.programs.get(op.program_id)
+        if prog is None:
+            self._fail(op.outputs, self._err("program",
+                                             f"unknown program id {op.program_id!r}"))
+            return
+        inputs = []
+        for b in op.inputs:
+            with self.cond:
+                buf = self.store.get(b)
+            if buf is None:
+                self._fail(op.outputs, self._err(
+                    "unknown_buffer", f"input buffer {b} of program '{prog.name}' does "
+                    "not exist (released or never created)", prog.name))
+                return
+            if buf.error is not None:
+                self._fail(op.outputs, buf.error)   # the original failure, unchanged
+                return
+            inputs.append(buf.array)
+        args = [inputs[k] if src == "i" else prog.constants[k] for src, k in prog.params]
+        try:
+            outs = self.rt.run(prog.compiled, args)
+        except Exception as e:      # noqa: BLE001
+            self._fail(op.outputs, self._failure(e, prog.name))
+            return
+        self.executed += 1
+        for b, o in zip(op.outputs, outs):
+            self._put_buf(b, _Buf(o, None, o.size * o.dtype.itemsize))
+
+    def _put(self, op) -> None:
+        parts = self._puts.get(op.buffer_id)
+        if not op.last:
+            if parts is None:
+                self._puts[op.buffer_id] = [op.meta, op.spec, [op.data]]
+            else:
+                parts[2].append(op.data)
+            return
+        if parts is not None:
+            del self._puts[op.buffer_id]
+            meta, spec_msg, chunks = parts
+            data = b"".join(chunks + [op.data])
+        else:
+            meta, spec_msg, data = op.meta, op.spec, op.data
+        try:
+            self._put_buf(op.buffer_id, self._assemble(meta, spec_msg, data))
+        except Exception as e:      # noqa: BLE001
+            self._fail([op.buffer_id], self._err(
+                "input", f"put of buffer {op.buffer_id} failed: {e}"))
+
+    def _assemble(self, meta, spec_msg, data: bytes) -> _Buf:
+        """A global array from this host's blocks (``member_blocks`` order)."""
+        dtype = np_dtype(meta.dtype)
+        shape = tuple(meta.shape)
+        spec = spec_from_proto(spec_msg)
+        blocks, where = member_blocks(shape, spec, self.axis_names, self.mesh_shape,
+                                      self.member, self.members)
+        sizes = [int(np.prod([b - a for a, b in blk])) for blk in blocks]
+        if sum(sizes) * dtype.itemsize != len(data):
+            raise ValueError(f"{len(data)} bytes for this host's shards of "
+                             f"{meta.dtype}{list(shape)}, which need "
+                             f"{sum(sizes) * dtype.itemsize}")
+        flat = np.frombuffer(data, dtype)
+        values, at = [], 0
+        for blk, n in zip(blocks, sizes):
+            values.append(flat[at:at + n].reshape(tuple(b - a for a, b in blk)))
+            at += n
+        jax = self.rt.jax
+        local = [jax.device_put(values[k], d) for k, d in zip(where, self.rt.local)]
+        arr = jax.make_array_from_single_device_arrays(
+            shape, self.rt.sharding(spec, self.mesh), local)
+        return _Buf(arr, None, len(data))
+
+
+def _dtype_name(dtype) -> str:
+    return str(np.dtype(dtype))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run_member(req: dict) -> None:
+    """Entry point: serve the slice's Executor service on this host, report to the
+    agent, then meet the other members."""
+    from .. import _proc
+    from ..rpc import grpc_util
+    from ..rpc import pathways_pb2 as pb
+    from ..rpc import pathways_pb2_grpc as pbg
+    _proc.die_with_parent(int(req["agent_pid"]), signal.SIGKILL)
+    agent = pbg.WorkerStub(grpc_util.channel(req["agent_address"]))
+    bind = req["bind_host"]
+    advertise = req.get("advertise_host") or bind
+    try:
+        service = MemberService(req)
+        srv = grpc_util.server(max_workers=16)
+        pbg.add_ExecutorServicer_to_server(service, srv)
+        port = grpc_util.add_port(srv, f"{bind}:0")
+        srv.start()
+        rendezvous = req.get("rendezvous") or f"{advertise}:{_free_port(bind)}"
+    except Exception as e:      # noqa: BLE001 (report why, so the client sees it)
+        agent.ExecutorReady(pb.ExecutorReadyRequest(
+            slice_id=req["slice_id"], pid=os.getpid(),
+            error=f"{type(e).__name__}: {e}"), timeout=30)
+        raise
+    agent.ExecutorReady(pb.ExecutorReadyRequest(
+        slice_id=req["slice_id"], pid=os.getpid(), address=f"{advertise}:{port}",
+        memory_budget=service.budget, rendezvous=rendezvous), timeout=30)
+    threading.Thread(target=service.meet, args=(rendezvous,), name="meet",
+                     daemon=True).start()
+    _proc.serve_until_signal(srv)
+    # jax.distributed.shutdown() waits for every member at a barrier; the slice is
+    # being stopped as a whole, so leave without it.
+    os._exit(0)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    run_member(json.loads(sys.stdin.readline()))
+
+
+if __name__ == "__main__":
+    main()
