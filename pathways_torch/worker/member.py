@@ -57,8 +57,9 @@ class _Buf:
 
 
 class _Program:
-    def __init__(self, name: str, compiled, params, constants) -> None:
+    def __init__(self, name: str, compiled, params, constants, in_avals) -> None:
         self.name, self.compiled = name, compiled
+        self.in_avals = in_avals        # (numpy dtype, shape) of each flat input
         self.params = params            # ("i", k) or ("c", k) per HLO parameter
         self.constants = constants      # global arrays
 
@@ -416,7 +417,9 @@ class MemberService(_make_servicer_base()):
             spec_to_proto(spec if spec is not None else P(), reply.out_specs.add())
             reply.out_spec_known.append(spec is not None)
             reply.out_hlo_shardings.append(str(sh._to_xla_hlo_sharding(len(shape))))
-        self.programs[req.program_id] = _Program(req.name, compiled, params, constants)
+        in_avals = [(np_dtype(m.dtype), tuple(m.shape)) for m in req.inputs]
+        self.programs[req.program_id] = _Program(req.name, compiled, params, constants,
+                                                 in_avals)
         self.compiles += 1
         reply.compile_s = time.perf_counter() - t0
         return reply
@@ -451,6 +454,13 @@ class MemberService(_make_servicer_base()):
                 self._fail(op.outputs, buf.error)   # the original failure, unchanged
                 return
             inputs.append(buf.array)
+        got = [(np.dtype(a.dtype), tuple(a.shape)) for a in inputs]
+        if got != prog.in_avals:
+            # XLA checks this with a process abort; refuse it here.
+            self._fail(op.outputs, self._err(
+                "input", f"program '{prog.name}' was compiled for inputs "
+                f"{_avals(prog.in_avals)} but got {_avals(got)}", prog.name))
+            return
         args = [inputs[k] if src == "i" else prog.constants[k] for src, k in prog.params]
         try:
             outs = self.rt.run(prog.compiled, args)
@@ -503,6 +513,10 @@ class MemberService(_make_servicer_base()):
         arr = jax.make_array_from_single_device_arrays(
             shape, self.rt.sharding(spec, self.mesh), local)
         return _Buf(arr, None, len(data))
+
+
+def _avals(avals) -> str:
+    return ", ".join(f"{d}{list(s)}" for d, s in avals)
 
 
 def _dtype_name(dtype) -> str:

@@ -81,6 +81,7 @@ class MultiHostRuntime:
         import jax
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_enable_x64", True)      # int64 and float64 stay 64-bit
         try:
             jax.distributed.initialize(
                 coordinator, num_processes=num_processes, process_id=process_id,

@@ -1,0 +1,165 @@
+"""Slices that span hosts (issue 14) on a real cluster: a coordinator and four worker
+agents (2 islands x 2 hosts x 2 CPU devices), each host's part of a slice a member
+executor process on jaxlib with gloo collectives between hosts.
+
+Numbers are checked against plain torch on the CPU: moves of bytes exactly, programs
+within 1e-5, training losses within 1e-4 relative (as tests/test_trainer.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch import P
+from pathways_torch.client import runtime
+
+pytest.importorskip("jax")
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    pw.init(islands=2, hosts_per_island=2, devices_per_host=2, timeout=120)
+    try:
+        yield runtime.get_state().cluster
+    finally:
+        pw.shutdown()
+
+
+@pytest.fixture(scope="module")
+def wide(cluster):
+    """A (2, 2) slice over both hosts of island 0: "data" crosses hosts."""
+    s = pw.slice((2, 2), axis_names=("data", "model"), island=0)
+    yield s
+    s.release()
+
+
+def test_a_slice_bigger_than_a_host_spans_hosts_host_major(wide):
+    assert wide.spans_hosts and wide.hosts == (0, 1)
+    assert [(d.host, d.index) for d in wide.devices] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    used = {(d.island, d.host) for d in pw.devices() if d.state == "in_use"}
+    assert {(0, 0), (0, 1)} <= used
+    assert "hosts 0, 1" in repr(wide)
+    with pytest.raises(pw.ResourceExhaustedError, match="equal share"):
+        pw.slice((3,), island=1)        # 2 + 1 devices: not the same on each host
+
+
+@pytest.mark.parametrize("spec", [P("data"), P(None, "model"), P(("data", "model")), P(),
+                                  P("model", "data")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
+def test_each_host_gets_its_shards_and_a_fetch_assembles_them(wide, spec, dtype):
+    x = (torch.arange(8 * 4) - 7).reshape(8, 4).to(dtype)
+    a = pw.put(x, wide, spec)
+    got = a.torch()
+    assert got.dtype == dtype and torch.equal(got, x)
+
+
+def _loss_and_grads(x, w1, w2):
+    loss = torch.tanh(x @ w1).matmul(w2).pow(2).mean()
+    g1, g2 = torch.autograd.grad(loss, (w1, w2))
+    return loss, g1, g2
+
+
+def test_one_program_over_both_hosts_matches_torch_and_keeps_the_gang_order(wide):
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(8, 16), torch.randn(16, 32) * 0.3, torch.randn(32, 4) * 0.3
+    want = _loss_and_grads(x.clone(), w1.clone().requires_grad_(),
+                           w2.clone().requires_grad_())
+
+    @pw.program
+    def step(x, w1, w2):
+        w1, w2 = w1.requires_grad_(), w2.requires_grad_()
+        return _loss_and_grads(x, w1, w2)
+
+    args = (pw.put(x, wide, P("data")), pw.put(w1, wide, P(None, "model")),
+            pw.put(w2, wide, P("model")))
+    got = step(*args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.torch(), w.detach(), rtol=TOL, atol=TOL)
+    for _ in range(3):
+        with pw.graph():
+            got = step(*args)
+    pw.wait(list(got))
+    orders = [m.stats().gang_positions for m in wide._conn.members]
+    assert len(orders[0]) >= 3 and orders[0] == orders[1]
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("strategy", [lambda: pw.DataParallel("data"),
+                                      lambda: pw.FullyShardedDataParallel("data")],
+                         ids=["data_parallel", "fsdp"])
+def test_trainer_over_two_hosts_matches_plain_torch(wide, strategy):
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(6)]
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    trainer = pw.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         torch.nn.functional.cross_entropy, slice=wide,
+                         parallelism=strategy())
+    got = [float(trainer.step(x, y)) for x, y in data]
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {k}: pathways {a} torch {b}"
+
+
+def test_moves_to_and_from_a_one_host_slice(wide):
+    small = pw.slice((2,), axis_names=("d",), island=1)
+    try:
+        x = torch.randn(8, 4)
+        a = pw.put(x, wide, P("data", "model"))
+        b = a.to(small, P("d"))
+        assert not b.slice.spans_hosts and torch.equal(b.torch(), x)
+        c = b.to(wide, P(None, "model"))
+        assert torch.equal(c.torch(), x)
+        with pytest.raises(pw.PathwaysError, match="inside pw.graph"):
+            with pw.graph():
+                a.to(small)
+    finally:
+        small.release()
+
+
+def test_a_dead_host_fails_the_slice_on_every_member_and_others_go_on(cluster, wide):
+    """Last in the module: it kills island 1's host 1 (the cluster restarts it)."""
+    lost = pw.slice((2, 2), axis_names=("data", "model"), island=1)
+    x = pw.put(torch.ones(4, 4), lost, P("data"))
+
+    @pw.program
+    def total(x):
+        return x.sum() * 1.0
+
+    assert float(total(x)) == 16.0
+    os.kill(cluster.worker_pid(1, 1), signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(pw.WorkerLostError):
+        for _ in range(200):            # until the loss is known
+            total(x).wait()
+            time.sleep(0.05)
+    assert time.monotonic() - t0 < 5.0
+    for m in lost._conn.members:        # every member's stream says so
+        with pytest.raises(pw.WorkerLostError):
+            m._check()
+    with pytest.raises(pw.WorkerLostError):
+        total(x).torch()
+    y = pw.put(torch.ones(4, 4), wide, P("data"))
+    assert float(total(y)) == 16.0      # the other slice that spans hosts goes on
