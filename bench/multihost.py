@@ -106,6 +106,8 @@ def run_torch_xla(where: pathlib.Path, steps: int) -> dict:
     def one():
         outs = torch_xla._XLAC._xla_user_computation("xla::mlp", args, comp)
         torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+        torch_xla._XLAC._xla_wait_device_ops([])
+        outs[0].cpu()                   # the step's work is done, not only queued
         return outs
 
     one()

@@ -192,3 +192,13 @@ def test_shared_devices_take_slices_that_span_hosts():
         rm.reserve("c3", (4,), ("d",), 0)
     rm.release(a.slice_id)
     assert rm.reserve("c3", (4,), ("d",), 0).members
+
+
+def test_hosts_asks_for_exactly_that_many_hosts():
+    rm = make(islands=1, hosts=3, devices=4)
+    one = rm.reserve("c", (4,), ("d",), 0)
+    assert not one.members
+    two = rm.reserve("c", (4,), ("d",), 0, hosts=2)
+    assert [(h, len(d)) for _, h, d in two.members] == [(1, 2), (2, 2)]
+    with pytest.raises(AllocationError, match="over 3 hosts"):
+        rm.reserve("c", (6,), ("d",), 0, hosts=3)

@@ -265,10 +265,10 @@ class _State:
         return [Device(d.island, d.host, d.index, d.kind, d.state) for d in rep.devices]
 
     def allocate(self, mesh_shape: Sequence[int], axis_names: Sequence[str],
-                 island: Optional[int]) -> Slice:
+                 island: Optional[int], hosts: Optional[int] = None) -> Slice:
         req = pb.AllocateSliceRequest(client_id=self.client_id, mesh_shape=list(mesh_shape),
                                       axis_names=list(axis_names), island=island or 0,
-                                      any_island=island is None)
+                                      any_island=island is None, hosts=hosts or 0)
         try:
             rep = self.stub.AllocateSlice(req, timeout=180)
         except grpc.RpcError as e:
@@ -451,16 +451,21 @@ def devices(island: Optional[int] = None) -> List[Device]:
 
 
 def slice(mesh_shape: Sequence[int] | int, axis_names: Optional[Sequence[str]] = None,
-          island: Optional[int] = None) -> Slice:
+          island: Optional[int] = None, hosts: Optional[int] = None) -> Slice:
     """Ask the resource manager for a virtual slice of devices shaped ``mesh_shape``.
 
     Each virtual device maps one-to-one onto a free physical device. ``island=None``
-    lets the resource manager choose (least loaded). Raises ``ResourceExhaustedError``
-    at once, saying what is free, when the request does not fit.
+    lets the resource manager choose (least loaded). A slice bigger than a host spans
+    hosts of one island, the same number of devices on each, host-major: the mesh's
+    first axis is the one that crosses hosts, so put the axis with the least traffic
+    (data parallelism) first. ``hosts=k`` asks for exactly k hosts even when fewer
+    would do. Raises ``ResourceExhaustedError`` at once, saying what is free, when the
+    request does not fit.
 
     Example::
 
-        s = pw.slice((4, 2), axis_names=("data", "model"))
+        s = pw.slice((4, 2), axis_names=("data", "model"))   # 4 hosts x 2 devices
+        s.hosts                                               # (0, 1, 2, 3)
     """
     state = get_state()
     if isinstance(mesh_shape, int):
@@ -478,7 +483,7 @@ def slice(mesh_shape: Sequence[int] | int, axis_names: Optional[Sequence[str]] =
     if len(set(axis_names)) != len(axis_names) or not all(
             isinstance(a, str) and a for a in axis_names):
         raise ShardingError(f"axis_names {axis_names} must be distinct non-empty strings")
-    return state.allocate(mesh_shape, axis_names, island)
+    return state.allocate(mesh_shape, axis_names, island, hosts)
 
 
 @atexit.register

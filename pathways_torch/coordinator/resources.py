@@ -232,7 +232,8 @@ class ResourceManager:
 
     # ------------------------------------------------------------------ slices
     def reserve(self, client_id: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
-                island: Optional[int]) -> SliceRecord:
+                island: Optional[int], hosts: Optional[int] = None) -> SliceRecord:
+        """A slice for ``client_id``; ``hosts``: spread over exactly that many hosts."""
         size = math.prod(mesh_shape)
         if size < 1 or any(int(s) < 1 for s in mesh_shape):
             raise AllocationError(f"mesh shape {tuple(mesh_shape)} must be positive", "invalid")
@@ -251,9 +252,9 @@ class ResourceManager:
                 raise AllocationError("no worker has registered yet", "exhausted")
             index = self._index[island]
             biggest = index.biggest()
-            if size > biggest:
+            if size > biggest or (hosts or 1) > 1:
                 return self._reserve_hosts(client_id, tuple(mesh_shape),
-                                           tuple(axis_names), island, size)
+                                           tuple(axis_names), island, size, hosts)
             cap = self.per_device
             h = index.best(size) if cap == 1 else self._scan(size, island)
             if h is None:
@@ -316,7 +317,7 @@ class ResourceManager:
 
     def _reserve_hosts(self, client_id: str, mesh_shape: Tuple[int, ...],
                        axis_names: Tuple[str, ...], island: Optional[int],
-                       size: int) -> SliceRecord:
+                       size: int, hosts: Optional[int] = None) -> SliceRecord:
         """A slice over several hosts of one island (lock held): the fewest hosts that
         each give ``size / hosts`` devices."""
         cap = self.per_device
@@ -328,7 +329,8 @@ class ResourceManager:
                     if j == i and not self.hosts[w].lost]
             room = sorted(((len(h.available(cap)), h) for h in live),
                           key=lambda t: (-t[0], t[1].n_load, t[1].host))
-            for n in range(2, len(room) + 1):
+            for n in ([hosts] if hosts and hosts <= len(room) else
+                      [] if hosts else range(2, len(room) + 1)):
                 if size % n or room[n - 1][0] < size // n:
                     continue
                 if best is None or n < len(best[1]):
@@ -337,12 +339,13 @@ class ResourceManager:
                 break
         if best is None:
             where = f"island {island}" if island is not None else "any island"
+            need = (f"{hosts} hosts" if hosts else "more than one host has")
             raise AllocationError(
-                f"a slice of mesh shape {mesh_shape} needs {size} devices: more than one "
-                f"host has, and {where} has no set of hosts that each give an equal share "
-                f"of them (a slice spans the hosts of one island, the same number of "
-                f"devices on each); free now: {self._free_text(island)}. Release slices, "
-                "or ask for a size that is a multiple of a host's devices", "exhausted")
+                f"a slice of mesh shape {mesh_shape} needs {size} devices over {need}, "
+                f"and {where} has no set of hosts that each give an equal share of them "
+                f"(a slice spans the hosts of one island, the same number of devices on "
+                f"each); free now: {self._free_text(island)}. Release slices, or ask for "
+                "a size that is a multiple of a host's devices", "exhausted")
         per_host, hosts = best
         sid = f"s{next(self._ids)}"
         members = []

@@ -506,7 +506,8 @@ class CoordinatorService(pbg.CoordinatorServicer):
         island = None if request.any_island else request.island
         try:
             rec = self.rm.reserve(request.client_id, list(request.mesh_shape),
-                                  list(request.axis_names), island)
+                                  list(request.axis_names), island,
+                                  hosts=request.hosts or None)
         except AllocationError as e:
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.code == "exhausted"
                     else grpc.StatusCode.INVALID_ARGUMENT)

@@ -180,7 +180,12 @@ def check_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str],
 
 
 def check_allocate(req) -> None:
-    check_mesh(list(req.mesh_shape), list(req.axis_names))
+    n = check_mesh(list(req.mesh_shape), list(req.axis_names))
+    if req.hosts:
+        check_int(req.hosts, "hosts", 1, n)
+        if n % req.hosts:
+            raise _bad(f"a slice of {n} devices cannot give each of {req.hosts} hosts "
+                       "the same number: ask for a number of hosts that divides it")
     if not req.any_island:
         check_int(req.island, "island", 0, MAX_ISLAND)
 
