@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 import grpc
 
@@ -206,10 +206,13 @@ class ExecutorConnection:
     def seq(self) -> int:
         return self._seq
 
-    def send_gang(self, position: int, slice_seq: int, ops: list):
-        """Queue a recorded graph's ops for this slice as one GangOp."""
+    def send_gang(self, position: int, slice_seq: int, ops: list,
+                  host_seqs: Sequence[int] = ()):
+        """Queue a recorded graph's ops for this slice as one GangOp (``host_seqs``:
+        the host's gang sequence number, from the scheduler)."""
         return self.send(pb.Op(gang=pb.GangOp(position=position, slice_seq=slice_seq,
-                                              ops=ops)), direct=True)
+                                              ops=ops, host_seq=host_seqs[0] if host_seqs
+                                              else 0)), direct=True)
 
     def parts(self) -> List["ExecutorConnection"]:
         """The executor connections behind this one (itself; see client/members.py)."""

@@ -85,9 +85,10 @@ class Graph:
         conns = list(self._ops)
         slice_ids = [c.slice_id for c in conns]
         with _submit_lock:
-            positions, seqs = state.schedule(slice_ids)
-            for conn, pos, seq in zip(conns, positions, seqs):
-                self._cells[conn].value = conn.send_gang(pos, seq, self._ops[conn])
+            positions, seqs, host_seqs = state.schedule(slice_ids)
+            host_seqs = host_seqs or [[] for _ in conns]
+            for conn, pos, seq, hs in zip(conns, positions, seqs, host_seqs):
+                self._cells[conn].value = conn.send_gang(pos, seq, self._ops[conn], hs)
                 self.positions[conn.slice_id] = pos
         self._keep.clear()
         if t0:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -124,11 +124,12 @@ class MembersConnection:
                 seq = m.send(op.ops[k] if isinstance(op, PerMember) else op, direct=True)
         return seq
 
-    def send_gang(self, position: int, slice_seq: int, ops: list):
+    def send_gang(self, position: int, slice_seq: int, ops: list,
+                  host_seqs: Sequence[int] = ()):
         with self._lock:
             for k, m in enumerate(self.members):
                 mine = [o.ops[k] if isinstance(o, PerMember) else o for o in ops]
-                seq = m.send_gang(position, slice_seq, mine)
+                seq = m.send_gang(position, slice_seq, mine, host_seqs[k:k + 1])
         return seq
 
     def release(self, buffer_id: int) -> None:

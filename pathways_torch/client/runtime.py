@@ -256,7 +256,8 @@ class _State:
                                       f"{e.details()}; its worker was lost") from None
             raise PathwaysError(f"the gang scheduler refused the graph: {e.details()}") \
                 from None
-        return list(rep.positions), list(rep.slice_seqs)
+        return (list(rep.positions), list(rep.slice_seqs),
+                [list(h.seqs) for h in rep.host_seqs])
 
     def devices(self, island: Optional[int] = None) -> List[Device]:
         req = (pb.ListDevicesRequest() if island is None

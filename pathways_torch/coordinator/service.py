@@ -637,11 +637,12 @@ class CoordinatorService(pbg.CoordinatorServicer):
                              f"slice {sid} is not one of this client's slices")
             recs.append(rec)
         t0 = self.rec.now() if self.rec.on else 0
-        positions, seqs = self.scheduler.schedule(recs)
+        positions, seqs, host_seqs = self.scheduler.schedule_hosts(recs)
         if t0:
             self.rec.add("rpc", "Schedule", t0, detail=", ".join(
                 f"{sid}@{p}" for sid, p in zip(request.slice_ids, positions)))
-        return pb.ScheduleReply(positions=positions, slice_seqs=seqs)
+        return pb.ScheduleReply(positions=positions, slice_seqs=seqs,
+                                host_seqs=[pb.HostSeqs(seqs=h) for h in host_seqs])
 
     async def _free_slice(self, slice_id: str) -> None:
         rec = self.rm.release(slice_id)

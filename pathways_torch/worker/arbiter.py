@@ -16,9 +16,20 @@ work is queued behind it, and the arbiter *anticipates*: it holds the devices fo
 client that has more work for up to ``ANTICIPATE_S``, the time that client's executor
 needs to come back with its next request.
 
+Gang ops come first, in the host's gang sequence (issue 14). The scheduler numbers the
+gang ops of every host in one total order (``ScheduleReply.host_seqs``), and the
+arbiter grants a gang op only when it is the host's next one: a slice that spans hosts
+runs collectives that block until every host has joined, so two such slices sharing
+hosts deadlock if one host runs A then B and another B then A. Ungrouped programs
+fill the gaps by fair share. A number that never comes (its client died between
+scheduling and sending) is skipped after ``SKIP_S``, with a warning. Setting
+``PATHWAYS_DEBUG_UNORDERED_GANGS=1`` in a worker's environment ignores the order (for
+the test that shows the order is what prevents the deadlock).
+
 The protocol is tiny and local (a Unix socket per host): the executor sends
-``b"H" + json`` once, then ``b"R"`` per program; the arbiter answers ``b"G"``; the
-executor sends ``b"D" + float64 seconds + one byte (more work queued)`` when done.
+``b"H" + json`` once, then ``b"R" + uint64 host gang sequence (0: none)`` per program or
+gang op; the arbiter answers ``b"G"``; the executor sends ``b"D" + float64 seconds + one
+byte (more work queued)`` when done.
 
 Example (as the executor uses it)::
 
@@ -30,6 +41,7 @@ Example (as the executor uses it)::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import struct
@@ -70,6 +82,9 @@ class FairQueue:
 
 
 ANTICIPATE_S = 0.2
+SKIP_S = 5.0
+UNORDERED_ENV = "PATHWAYS_DEBUG_UNORDERED_GANGS"
+log = logging.getLogger("pathways.arbiter")
 
 
 class ShareArbiter:
@@ -83,6 +98,9 @@ class ShareArbiter:
         self._cond = threading.Condition()
         self._queue = FairQueue()
         self._waiters: List[tuple] = []      # (client, order, event)
+        self._gangs: Dict[int, tuple] = {}   # host gang seq -> (client, event, since)
+        self._next_gang = 1
+        self._ordered = os.environ.get(UNORDERED_ENV, "") != "1"
         self._running = False
         self._order = 0
         self._closed = False
@@ -100,14 +118,36 @@ class ShareArbiter:
 
     def _serve(self, conn: socket.socket) -> None:
         f = conn.makefile("rb")
-        client, granted = None, False
+        client, granted, gang = None, False, 0
         try:
             if f.read(1) != b"H":
                 return
             hello = json.loads(f.readline())
             client, share = str(hello["client"]), max(float(hello["share"]), 1e-6)
             while f.read(1) == b"R":
+                raw = f.read(8)
+                if len(raw) != 8:
+                    return
+                (gang,) = struct.unpack("<Q", raw)
+                gang = gang if self._ordered else 0
                 ev = threading.Event()
+                if gang:
+                    with self._cond:
+                        self._gangs[gang] = (client, ev, time.monotonic())
+                        self._dispatch()
+                    ev.wait()
+                    granted = True
+                    conn.sendall(b"G")
+                    op, raw = f.read(1), f.read(9)
+                    if op != b"D" or len(raw) != 9:
+                        return
+                    seconds, _ = struct.unpack("<d?", raw)
+                    with self._cond:
+                        self._queue.done(client, share, seconds)
+                        granted = self._running = False
+                        self._next_gang = max(self._next_gang, gang + 1)
+                        self._dispatch()
+                    continue
                 with self._cond:
                     self._order += 1
                     # backlogged (said "more") or queued: not a return from idling
@@ -141,13 +181,39 @@ class ShareArbiter:
             with self._cond:
                 if granted:
                     self._running = False
+                    if gang:        # its gang op is over, done or not
+                        self._next_gang = max(self._next_gang, gang + 1)
+                for k in [k for k, g in self._gangs.items() if g[0] == client]:
+                    del self._gangs[k]
                 if client is not None:
                     self._last_done.pop(client, None)
                 self._dispatch()
 
     def _dispatch(self) -> None:
-        """Grant the next waiter if the devices are idle (holding ``_cond``)."""
-        if self._running or not self._waiters:
+        """Grant the next waiter if the devices are idle (holding ``_cond``): the
+        host's next gang op first, then by fair share."""
+        if self._running:
+            return
+        if self._gangs:
+            g = self._gangs.pop(self._next_gang, None)
+            if g is None:
+                first = min(self._gangs)
+                waited = time.monotonic() - self._gangs[first][2]
+                if waited >= SKIP_S:
+                    log.warning("gang ops %d-%d of this host never came (a client that "
+                                "died after scheduling?); going on with %d",
+                                self._next_gang, first - 1, first)
+                    self._next_gang = first
+                    g = self._gangs.pop(first)
+                elif self._timer is None:
+                    self._timer = threading.Timer(SKIP_S - waited, self._retry)
+                    self._timer.daemon = True
+                    self._timer.start()
+            if g is not None:
+                self._running = True
+                g[1].set()
+                return
+        if not self._waiters:
             return
         w = self._queue.best(self._waiters)
         now = time.monotonic()
@@ -195,10 +261,11 @@ class ArbiterClient:
         self.busy_seconds = 0.0
 
     @contextmanager
-    def grant(self, more=lambda: False):
+    def grant(self, more=lambda: False, gang: int = 0):
         """Wait for the devices; the body's wall time is reported as device time, and
-        ``more()`` says at the end whether another program is queued behind it."""
-        self._sock.sendall(b"R")
+        ``more()`` says at the end whether another program is queued behind it.
+        ``gang``: the host's gang sequence number of a gang op (granted in that order)."""
+        self._sock.sendall(b"R" + struct.pack("<Q", gang))
         if self._sock.recv(1) != b"G":
             raise OSError("the host's share arbiter went away")
         t0 = time.perf_counter()

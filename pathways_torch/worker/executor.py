@@ -155,6 +155,7 @@ class ExecutorService(_make_servicer_base()):
         self._sending: dict = {}
         self._sending_lock = threading.Lock()
         self._gang_next = 1             # the slice_seq of the next scheduled gang op
+        self._in_gang = False           # running a gang op inside one arbiter grant
         self.gang_positions: list = []  # island positions of the gang ops run, in order
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         # Items taken off the queue early while an op waits for memory (see _make_room).
@@ -455,8 +456,19 @@ class ExecutorService(_make_servicer_base()):
                                   self._gang_next)
                     self._gang_next = g.slice_seq + 1
                     self.gang_positions.append(g.position)
-                for inner in g.ops:
-                    self._one(inner)
+                if self.arbiter is not None and g.host_seq:
+                    # Shared devices: the whole gang op runs in one grant, in the
+                    # host's gang order (see worker/arbiter.py).
+                    with self.arbiter.grant(gang=g.host_seq):
+                        self._in_gang = True
+                        try:
+                            for inner in g.ops:
+                                self._one(inner)
+                        finally:
+                            self._in_gang = False
+                else:
+                    for inner in g.ops:
+                        self._one(inner)
                 if t0:
                     rec.add("gang", "gang", t0,
                             detail=f"island position {g.position}, {len(g.ops)} ops")
@@ -883,7 +895,10 @@ class ExecutorService(_make_servicer_base()):
         t0 = rec.now() if rec.on else 0
         if err is None:
             try:
-                if self.arbiter is not None:
+                if self._in_gang:       # inside its gang op's grant: run to the end
+                    outs = self._run(prog, inputs)
+                    self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+                elif self.arbiter is not None:
                     with self.arbiter.grant(
                             more=lambda: bool(self._ahead) or not self._queue.empty()):
                         outs = self._run(prog, inputs)

@@ -101,6 +101,12 @@ class MemberService(_make_servicer_base()):
         self._events: "queue.SimpleQueue" = queue.SimpleQueue()
         self._stream_lock = threading.Lock()
         self._streaming = False
+        from .arbiter import connect
+        # Shared devices: programs run inside the host arbiter's grants, gang ops in
+        # the host's gang order (the order that keeps collectives from deadlocking).
+        self.arbiter = connect(req.get("arbiter"), req.get("client_id", ""),
+                               float(req.get("share") or 0.0))
+        self._in_grant = False
         self.rec = tracing.Recorder(tracing.skew_from_env())
         self.process_name = (f"executor {self.where} slice {self.slice_id} member "
                              f"{self.member}/{self.members}")
@@ -335,10 +341,27 @@ class MemberService(_make_servicer_base()):
         if which == "gang":
             if op.gang.slice_seq > 0:
                 self.gang_positions.append(op.gang.position)
-            for inner in op.gang.ops:
-                self._one(inner, index)
+            if self.arbiter is not None and op.gang.host_seq:
+                self._granted(lambda: [self._one(inner, index) for inner in op.gang.ops],
+                              op.gang.host_seq)
+            else:
+                for inner in op.gang.ops:
+                    self._one(inner, index)
+        elif which == "execute" and self.arbiter is not None:
+            self._granted(lambda: self._one(op, index), 0)
         else:
             self._one(op, index)
+
+    def _granted(self, body, gang: int) -> None:
+        """Run ``body`` to completion inside one grant of the host's arbiter."""
+        with self.arbiter.grant(more=lambda: not self._queue.empty(), gang=gang):
+            start = len(self._unready)
+            body()
+            for b in self._unready[start:]:
+                with self.cond:
+                    buf = self.store.get(b)
+                if buf is not None:
+                    self._check_ready(b, buf)
 
     def _put_buf(self, bid: int, buf: _Buf) -> None:
         with self.cond:
