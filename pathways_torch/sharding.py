@@ -199,3 +199,46 @@ def _unravel(position: int, mesh_shape: Sequence[int]) -> List[int]:
         out.append(position % n)
         position //= n
     return out[::-1]
+
+
+def overlaps(a: Block, b: Block) -> bool:
+    """Whether two blocks share any element."""
+    return all(s1 < e2 and s2 < e1 for (s1, e1), (s2, e2) in zip(a, b))
+
+
+def intersect(a: Block, b: Block) -> Block:
+    """The elements two overlapping blocks share."""
+    return tuple((max(s1, s2), min(e1, e2)) for (s1, e1), (s2, e2) in zip(a, b))
+
+
+def move_plan(shape: Sequence[int], src: Sequence[List[Block]],
+              dst: Sequence[List[Block]]) -> List[List[List[Block]]]:
+    """What each source host sends each destination host in a move between slices.
+
+    ``src[k]``: the blocks host k of the source holds (one entry, the whole array, for a
+    one-host slice); ``dst[j]``: the blocks host j of the destination needs. Returns
+    ``plan[k][j]``: the blocks k sends j, so that j gets every element it needs exactly
+    once (an element several source hosts hold is sent by the first). Only what is
+    needed crosses: moving rows 0-3 of a one-host array to the host that holds them
+    sends rows 0-3.
+
+    Example: ``move_plan((4,), [[((0, 4),)]], [[((0, 2),)], [((2, 4),)]])`` is
+    ``[[[((0, 2),)], [((2, 4),)]]]``."""
+    owner: dict = {}
+    for k, blocks in enumerate(src):
+        for b in blocks:
+            owner.setdefault(b, k)
+    plan: List[List[List[Block]]] = [[[] for _ in dst] for _ in src]
+    for j, needs in enumerate(dst):
+        for n in needs:
+            for b, k in owner.items():
+                if overlaps(b, n):
+                    piece = intersect(b, n)
+                    if piece not in plan[k][j]:
+                        plan[k][j].append(piece)
+    return plan
+
+
+def whole(shape: Sequence[int]) -> Block:
+    """The block that is all of an array of ``shape``."""
+    return tuple((0, int(n)) for n in shape)

@@ -123,20 +123,39 @@ def test_trainer_over_two_hosts_matches_plain_torch(wide, strategy):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {k}: pathways {a} torch {b}"
 
 
-def test_moves_to_and_from_a_one_host_slice(wide):
+@pytest.mark.parametrize("there,back", [(P("d"), P(None, "model")), (P(), P("data")),
+                                        (P(None, "d"), P(("data", "model")))])
+def test_moves_to_and_from_a_one_host_slice_reshard_host_to_host(wide, there, back):
     small = pw.slice((2,), axis_names=("d",), island=1)
     try:
         x = torch.randn(8, 4)
         a = pw.put(x, wide, P("data", "model"))
-        b = a.to(small, P("d"))
+        b = a.to(small, there)
         assert not b.slice.spans_hosts and torch.equal(b.torch(), x)
-        c = b.to(wide, P(None, "model"))
+        c = b.to(wide, back)
         assert torch.equal(c.torch(), x)
-        with pytest.raises(pw.PathwaysError, match="inside pw.graph"):
-            with pw.graph():
-                a.to(small)
+        with pw.graph():                 # recorded like any move
+            d = c.to(small, there)
+        assert torch.equal(d.torch(), x)
     finally:
         small.release()
+
+
+def test_moves_between_two_slices_that_span_hosts(wide):
+    other = pw.slice((2, 2), axis_names=("data", "model"), island=1)
+    try:
+        x = torch.arange(32.).reshape(8, 4)
+        a = pw.put(x, wide, P("data", "model"))
+
+        @pw.program
+        def double(v):
+            return v * 2
+
+        b = double(a.to(other, P("model", "data")))
+        assert torch.equal(b.torch(), x * 2)
+        assert torch.equal(b.to(wide, P()).torch(), x * 2)
+    finally:
+        other.release()
 
 
 def test_a_dead_host_fails_the_slice_on_every_member_and_others_go_on(cluster, wide):

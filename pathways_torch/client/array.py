@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from .. import tracing
-from ..errors import OutOfMemoryError, PathwaysError, PlacementError
+from ..errors import OutOfMemoryError, PlacementError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
-from ..sharding import P, as_spec, spec_to_proto, validate_spec
+from ..sharding import (P, as_spec, member_blocks, move_plan, spec_to_proto, validate_spec,
+                        whole)
 from . import runtime
 from . import graph as graph_mod
 from .graph import SeqCell, seq_of
@@ -197,10 +198,10 @@ def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
     t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
     state = runtime.get_state()
     validate_spec(spec, a.shape, dst.axis_names, dst.mesh_shape, "Array.to")
-    if a.slice.spans_hosts or dst.spans_hosts:
-        return _through_client(a, dst, spec)
     if state.dispatch == "sequential":
         wait([a])
+    if a.slice.spans_hosts or dst.spans_hosts:
+        return _move_pieces(a, dst, spec, t0)
     g = graph_mod.current()
     if g is not None:
         g.keep(a)
@@ -225,17 +226,63 @@ def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
                  f"a transfer of {a._origin}")
 
 
-def _through_client(a: Array, dst: "runtime.Slice", spec: P) -> Array:
-    """A move to or from a slice that spans hosts: fetched here and put there (its
-    members have no data sockets yet, issue 14), so it blocks until ``a`` exists."""
-    if graph_mod.current() is not None:
-        raise PathwaysError(
-            f"Array.to between {a.slice!r} and {dst!r} inside pw.graph(): a slice that "
-            "spans hosts moves Arrays through the client, which needs them computed; "
-            "move it before or after the graph block")
-    out = put(a.torch(), dst, spec)
-    out._origin = f"a transfer of {a._origin}"
-    return out
+def _host_blocks(s: "runtime.Slice", shape, spec: P) -> list:
+    """The blocks of an array of ``shape`` under ``spec`` each host of ``s`` holds."""
+    if not s.spans_hosts:
+        return [[whole(shape)]]
+    return [member_blocks(shape, spec, s.axis_names, s.mesh_shape, k, len(s.hosts))[0]
+            for k in range(len(s.hosts))]
+
+
+def _move_pieces(a: Array, dst: "runtime.Slice", spec: P, t0: int) -> Array:
+    """A move from or to a slice that spans hosts, host to host: each source host sends
+    each destination host the parts of its shards that host needs (``move_plan``), as
+    one piece on the data plane; the destination assembles them and reshards."""
+    import random
+    from .members import PerMember
+    shape = tuple(a.shape)
+    src, dsts = a.slice, _host_blocks(dst, shape, spec)
+    plan = move_plan(shape, _host_blocks(src, shape, a.sharding), dsts)
+    g = graph_mod.current()
+    if g is not None:
+        g.keep(a)
+    meta = pb.TensorMeta(dtype=codec.dtype_name(a.dtype), shape=list(shape))
+    msg = pb.Spec()
+    spec_to_proto(spec, msg)
+    tids = [[random.getrandbits(63) | 1 if plan[k][j] else 0 for j in range(len(dsts))]
+            for k in range(len(plan))]
+
+    def blocks(bs):
+        return [pb.ShardBlock(start=[s for s, _ in b], shape=[e - s for s, e in b])
+                for b in bs]
+
+    bid = dst._conn.new_id()
+    recvs = []
+    for j in range(len(dsts)):
+        r = pb.RecvOp(buffer_id=bid, meta=meta, spec=msg, transfer_id=random.getrandbits(63) | 1)
+        for k in range(len(plan)):
+            if plan[k][j]:
+                r.pieces.add(transfer_id=tids[k][j], blocks=blocks(plan[k][j]),
+                             src_data_address=src.data_addresses[k],
+                             src_host=f"island {src.island} host {src.hosts[k]}")
+        recvs.append(pb.Op(recv=r))
+    seq = dst._conn.send(PerMember(recvs) if dst.spans_hosts else recvs[0])
+    for j in range(len(dsts)):
+        sends = [pb.Op(send=pb.SendOp(
+            buffer_id=a._id, dst_data_address=dst.data_addresses[j], transfer_id=tids[k][j],
+            same_host=(src.island, src.hosts[k]) == (dst.island, dst.hosts[j]),
+            blocks=blocks(plan[k][j]))) for k in range(len(plan))]
+        if src.spans_hosts:
+            a._conn.send(PerMember(sends))
+        elif tids[0][j]:
+            a._conn.send(sends[0])
+    if t0:
+        tracing.CLIENT.add("dispatch", "transfer", t0, buffer_ids=(a._id, bid),
+                           nbytes=codec.nbytes(a.dtype, shape),
+                           detail=f"{src.id} -> {dst.id}, {sum(map(bool, sum(tids, [])))} "
+                           "pieces host to host")
+    return Array(dst, bid, seq, a.shape, a.dtype, spec.normalized(a.ndim),
+                 f"a transfer of {a._origin}")
 
 
 def wait(arrays: Iterable[Array], timeout: Optional[float] = None) -> None:

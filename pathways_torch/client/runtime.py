@@ -76,6 +76,9 @@ class Slice:
         self._state = state
         #: The hosts the slice's devices are on, host-major (one unless it spans hosts).
         self.hosts = tuple(m.host for m in reply.members) or (reply.host,)
+        #: Each host's bulk-data socket (the executor's, or each member's).
+        self.data_addresses = (tuple(m.data_address for m in reply.members)
+                               or (reply.data_address,))
         if len(reply.members) > 1:
             from .members import MembersConnection
             self._conn = MembersConnection(reply, self.mesh_shape, self.axis_names,

@@ -401,6 +401,24 @@ def check_recv(op, axis_names: Sequence[str], budget: int, live) -> None:
     src = getattr(op, "src_data_address", "")
     if src:
         check_address(src, f"{what}: sender's data address")
+    if len(op.pieces) > MAX_DEVICES:
+        raise _bad(f"{what}: {len(op.pieces)} pieces")
+    for k, p in enumerate(op.pieces):
+        check_int(p.transfer_id, f"{what}: piece {k}'s transfer id", 1, (1 << 64) - 1)
+        if p.src_data_address:
+            check_address(p.src_data_address, f"{what}: piece {k}'s sender")
+        check_blocks(p.blocks, shape, f"{what}: piece {k}")
+
+
+def check_blocks(blocks, shape: Sequence[int], what: str) -> None:
+    """Blocks (ShardBlock) of a tensor of ``shape``: each inside it."""
+    if len(blocks) > MAX_DEVICES:
+        raise _bad(f"{what}: {len(blocks)} blocks")
+    for b in blocks:
+        if len(b.start) != len(shape) or len(b.shape) != len(shape) or any(
+                s < 0 or n < 0 or s + n > d for s, n, d in zip(b.start, b.shape, shape)):
+            raise _bad(f"{what}: block at {list(b.start)[:8]} of shape "
+                       f"{list(b.shape)[:8]} is not inside {list(shape)[:8]}")
 
 
 def check_send(op) -> None:

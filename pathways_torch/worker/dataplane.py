@@ -100,6 +100,17 @@ class Arrival:
         self.seconds = seconds      # first header byte to last payload byte
 
 
+def listening(address: str) -> bool:
+    """Whether something accepts connections at ``address`` (host:port): a receiver
+    waiting for a transfer asks this of its sender to notice a dead one in seconds."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2.0).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     got, n = 0, len(view)
     while got < n:

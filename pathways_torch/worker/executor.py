@@ -26,6 +26,7 @@ from typing import Optional
 from .. import tracing
 from ..rpc import codec, validate
 from ..sharding import P, spec_candidates, spec_from_proto, spec_to_proto
+from .dataplane import listening
 from .memory import MemoryPlans, gib
 from .store import Entry
 
@@ -484,7 +485,7 @@ class ExecutorService(_make_servicer_base()):
         bad = self._invalid(op, which)
         if bad is not None:
             self._reject(which, validate.op_outputs(op), bad,
-                         op.recv.transfer_id if which == "recv" else None)
+                         op.recv if which == "recv" else None)
             return
         if which == "execute":
             self._execute(op.execute)
@@ -498,7 +499,7 @@ class ExecutorService(_make_servicer_base()):
                                  f"the transfer into buffer {r.buffer_id}", {r.buffer_id})
             if err is not None:
                 # the bytes still arrive; take them off the data socket and drop them
-                self.dataplane.discard(r.transfer_id)
+                self._discard_recv(r)
                 self.store.put(r.buffer_id, Entry(error=err))
             else:
                 self.store.put(r.buffer_id, Entry(None, None, _nbytes(r.meta), "", r,
@@ -603,7 +604,7 @@ class ExecutorService(_make_servicer_base()):
             return e
         return None
 
-    def _reject(self, which, ids, e, transfer_id=None) -> None:
+    def _reject(self, which, ids, e, recv=None) -> None:
         """A malformed op: its outputs fail with ``e`` (kind "input", or "oom"), except
         ids of live buffers, which keep their value; an op without outputs is dropped."""
         if not ids:
@@ -611,11 +612,17 @@ class ExecutorService(_make_servicer_base()):
             return
         err = self._err(e.kind, f"refused a malformed {which or 'empty'} op: {e}")
         live = self.store.entries
-        if transfer_id is not None and ids[0] not in live:
-            self.dataplane.discard(transfer_id)     # its bytes may still come
+        if recv is not None and ids[0] not in live:
+            self._discard_recv(recv)                # its bytes may still come
         for b in ids:
             if b not in live:
                 self.store.put(b, Entry(error=err))
+
+    def _discard_recv(self, r) -> None:
+        """Drop the bytes of a transfer (all its pieces), now or when they come."""
+        self.dataplane.discard(r.transfer_id)
+        for piece in r.pieces:
+            self.dataplane.discard(piece.transfer_id)
 
     def _cap(self) -> int:
         """Bytes the slice's devices could hold together (one buffer's upper bound)."""
@@ -652,7 +659,10 @@ class ExecutorService(_make_servicer_base()):
             done.wait()
             return False
         try:
-            arrival, lost = self._take(r)
+            if r.pieces:
+                self._resolve_pieces(entry, r)
+                return True
+            arrival, lost = self._take(r.transfer_id, r.src_data_address, r.src_host)
             try:
                 if lost:
                     entry.error = self._err("lost", lost)
@@ -693,23 +703,73 @@ class ExecutorService(_make_servicer_base()):
             done.set()
         return True
 
-    def _take(self, r):
-        """Wait for transfer ``r``'s bytes; (arrival, "") or (None, why the sender is
+    def _resolve_pieces(self, entry, r) -> None:
+        """A move from a slice that spans hosts: each host's piece fills its blocks of
+        the whole tensor, which then becomes a device buffer with the wanted spec."""
+        torch = self.torch
+        dtype = codec.dtype_from_name(r.meta.dtype)
+        full = torch.empty(tuple(r.meta.shape), dtype=dtype)
+        try:
+            for k, piece in enumerate(r.pieces):
+                arrival, lost = self._take(piece.transfer_id, piece.src_data_address,
+                                           piece.src_host)
+                if lost or arrival is None or arrival.error is not None:
+                    for rest in r.pieces[k + 1:]:
+                        self.dataplane.discard(rest.transfer_id)
+                if lost:
+                    entry.error = self._err("lost", lost)
+                    return
+                if arrival is None:
+                    entry.error = self._err("timeout", f"transfer {piece.transfer_id} did "
+                                            f"not arrive within {self.transfer_timeout:.0f} s")
+                    return
+                try:
+                    if arrival.error is not None:
+                        err = self.pb.BufferError()
+                        err.ParseFromString(arrival.error)
+                        entry.error = err        # the original failure, unchanged
+                        return
+                    flat = torch.frombuffer(arrival.payload, dtype=torch.uint8) \
+                        if arrival.nbytes else torch.empty(0, dtype=torch.uint8)
+                    at = 0
+                    for b in piece.blocks:
+                        n = codec.nbytes(dtype, tuple(b.shape))
+                        if at + n > arrival.nbytes:
+                            raise ValueError(f"piece {piece.transfer_id} brought "
+                                             f"{arrival.nbytes} bytes, too few for its blocks")
+                        index = tuple(slice(s, s + m) for s, m in zip(b.start, b.shape))
+                        full[index] = flat[at:at + n].view(dtype).reshape(tuple(b.shape))
+                        at += n
+                    del flat
+                finally:
+                    if hasattr(arrival.payload, "close"):
+                        arrival.payload.close()
+            t = full.to(self.device)
+            self._shard(t, spec_from_proto(r.spec))
+            entry.tensor = t
+        except Exception as e:
+            entry.error = self._err("input", f"receiving transfer {r.transfer_id} "
+                                    f"failed: {type(e).__name__}: {e}")
+        finally:
+            entry.pending = None
+
+    def _take(self, transfer_id: int, src_address: str, src_host: str):
+        """Wait for a transfer's bytes; (arrival, "") or (None, why the sender is
         gone). While waiting, check each second that the sender still listens, so a
         transfer from a dead worker fails within seconds instead of at the timeout."""
         deadline = time.monotonic() + self.transfer_timeout
         misses = 0
         while True:
             left = deadline - time.monotonic()
-            arrival = self.dataplane.take(r.transfer_id, min(max(left, 0.0), 1.0))
+            arrival = self.dataplane.take(transfer_id, min(max(left, 0.0), 1.0))
             if arrival is not None or left <= 1.0:
                 return arrival, ""
-            if not r.src_data_address:
+            if not src_address:
                 continue
-            misses = 0 if _listening(r.src_data_address) else misses + 1
+            misses = 0 if listening(src_address) else misses + 1
             if misses >= 2:
-                src = r.src_host or r.src_data_address
-                return None, (f"transfer {r.transfer_id} from {src} cannot arrive: {src} "
+                src = src_host or src_address
+                return None, (f"transfer {transfer_id} from {src} cannot arrive: {src} "
                               "no longer listens (its worker died, or its slice was "
                               "released before the transfer was sent)")
 
@@ -721,7 +781,7 @@ class ExecutorService(_make_servicer_base()):
                 with self._sending_lock:
                     r = e.pending
                     if r is not None and r.transfer_id not in self._sending:
-                        self.dataplane.discard(r.transfer_id)
+                        self._discard_recv(r)
         self.store.release(ids)
 
     def _send(self, op) -> None:
@@ -758,7 +818,14 @@ class ExecutorService(_make_servicer_base()):
                     cpu = entry.tensor.cpu().contiguous()
                 finally:
                     self.store.end_read(entry)
-                payload = memoryview(cpu.reshape(-1).view(self.torch.uint8).numpy())
+                if op.blocks:       # a piece of a move to a slice that spans hosts
+                    validate.check_blocks(op.blocks, tuple(cpu.shape), "send")
+                    payload = memoryview(b"".join(
+                        cpu[tuple(slice(s, s + n) for s, n in zip(b.start, b.shape))]
+                        .contiguous().reshape(-1).view(self.torch.uint8).numpy().tobytes()
+                        for b in op.blocks))
+                else:
+                    payload = memoryview(cpu.reshape(-1).view(self.torch.uint8).numpy())
         except Exception as e:
             what = f"program '{entry.origin}'" if entry.origin else "a transfer"
             error = self._err("program", f"{what} failed on {self.where}: {e}",
@@ -1139,17 +1206,6 @@ class ExecutorService(_make_servicer_base()):
                             f"{type(ex).__name__}: {ex}")
             for b in op.buffer_ids:
                 self.store.put(b, Entry(error=err))
-
-
-def _listening(address: str) -> bool:
-    """Whether something accepts connections at ``address`` (host:port)."""
-    import socket
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=2.0).close()
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 def _buffer_ids(op) -> list:

@@ -13,8 +13,11 @@ its address; the coordinator then starts the others with it. Every member report
 ready as soon as it serves gRPC and meets the others in the background, so the slice's
 ops wait for the meeting, not the allocation.
 
-Transfers to or from other slices, checkpoints and donation are not done here yet:
-the client moves such Arrays through itself (see ``client/members.py``).
+Moves to and from other slices go host to host on the data plane (``dataplane.py``):
+the client tells each source host which of its blocks each destination host needs
+(``SendOp.blocks``), and each destination host which pieces to expect
+(``RecvOp.pieces``); a received buffer is taken in when something first needs it.
+Checkpoints and donation are not done here yet.
 """
 
 from __future__ import annotations
@@ -50,10 +53,12 @@ def np_dtype(name: str) -> np.dtype:
 
 
 class _Buf:
-    __slots__ = ("array", "error", "nbytes")
+    __slots__ = ("array", "error", "nbytes", "pending", "lock")
 
-    def __init__(self, array=None, error=None, nbytes: int = 0) -> None:
+    def __init__(self, array=None, error=None, nbytes: int = 0, pending=None) -> None:
         self.array, self.error, self.nbytes = array, error, nbytes
+        self.pending = pending          # a RecvOp whose pieces have not been taken in
+        self.lock = threading.Lock() if pending is not None else None
 
 
 class _Program:
@@ -108,6 +113,10 @@ class MemberService(_make_servicer_base()):
                                float(req.get("share") or 0.0))
         self._in_grant = False
         self.rec = tracing.Recorder(tracing.skew_from_env())
+        from .dataplane import DataPlane
+        self.dataplane = DataPlane(req["bind_host"], self.rec,
+                                   advertise_host=req.get("advertise_host", ""))
+        self.transfer_timeout = 600.0
         self.process_name = (f"executor {self.where} slice {self.slice_id} member "
                              f"{self.member}/{self.members}")
         threading.Thread(target=self._loop, name="member", daemon=True).start()
@@ -154,7 +163,8 @@ class MemberService(_make_servicer_base()):
         return self._err("program", text[:1000], program)
 
     def _check_ready(self, bid: int, buf: _Buf) -> None:
-        """Block until ``buf`` is computed; a failure becomes its error."""
+        """Block until ``buf`` is computed (or received); a failure becomes its error."""
+        self._resolve(buf)
         if buf.error is not None or buf.array is None:
             return
         try:
@@ -254,7 +264,8 @@ class MemberService(_make_servicer_base()):
             if start in seen:
                 continue
             seen.add(start)
-            value = np.ascontiguousarray(np.asarray(s.data))
+            value = np.asarray(s.data)
+            value = np.ascontiguousarray(value).reshape(value.shape)     # keeps 0-d
             first.blocks.add(start=list(start), shape=list(value.shape))
             parts.append(value.tobytes())
         if not request.local_shards:
@@ -367,10 +378,112 @@ class MemberService(_make_servicer_base()):
         with self.cond:
             self.store[bid] = buf
             self.cond.notify_all()
-        if buf.array is not None:
+        if buf.array is not None or buf.pending is not None:
             self._unready.append(bid)
         else:
             self._failed_new.append(bid)
+
+    # ------------------------------------------------------------------ transfers
+    def _discard(self, r) -> None:
+        for piece in r.pieces:
+            self.dataplane.discard(piece.transfer_id)
+
+    def _resolve(self, buf: _Buf) -> None:
+        """Take in a received buffer (waits for its pieces); one thread does it."""
+        if buf.pending is None:
+            return
+        with buf.lock:
+            r = buf.pending
+            if r is None:
+                return
+            try:
+                buf.array = self._from_full(self._receive(r), r.spec)
+            except _Lost as e:
+                buf.error = self._err("lost", str(e))
+            except _Failed as e:
+                buf.error = e.error                 # the original failure, unchanged
+            except Exception as e:      # noqa: BLE001
+                buf.error = self._err("input", f"receiving into buffer {r.buffer_id} "
+                                      f"failed: {type(e).__name__}: {e}")
+            finally:
+                buf.pending = None
+            if buf.error is not None:
+                buf.array = None
+
+    def _receive(self, r) -> np.ndarray:
+        """The whole tensor with every piece's blocks filled in (what this host needs
+        of it); raises ``_Lost`` or ``_Failed``."""
+        from .dataplane import listening
+        dtype = np_dtype(r.meta.dtype)
+        full = np.zeros(tuple(r.meta.shape), dtype)
+        for k, piece in enumerate(r.pieces):
+            deadline = time.monotonic() + self.transfer_timeout
+            misses, arrival = 0, None
+            while arrival is None and time.monotonic() < deadline:
+                arrival = self.dataplane.take(piece.transfer_id, 1.0)
+                if arrival is None and piece.src_data_address:
+                    misses = 0 if listening(piece.src_data_address) else misses + 1
+                    if misses >= 2:
+                        break
+            if arrival is None or arrival.error is not None:
+                for rest in r.pieces[k + 1:]:
+                    self.dataplane.discard(rest.transfer_id)
+            if arrival is None:
+                src = piece.src_host or piece.src_data_address
+                raise _Lost(f"transfer {piece.transfer_id} from {src} cannot arrive: it "
+                            "no longer listens (its worker died, or its slice was released)"
+                            if misses >= 2 else f"transfer {piece.transfer_id} did not "
+                            f"arrive within {self.transfer_timeout:.0f} s")
+            try:
+                if arrival.error is not None:
+                    err = self.pb.BufferError()
+                    err.ParseFromString(arrival.error)
+                    raise _Failed(err)
+                flat = np.frombuffer(arrival.payload, dtype) if arrival.nbytes else \
+                    np.zeros(0, dtype)
+                at = 0
+                for b in piece.blocks:
+                    n = int(np.prod(tuple(b.shape)))
+                    index = tuple(slice(s, s + m) for s, m in zip(b.start, b.shape))
+                    full[index] = flat[at:at + n].reshape(tuple(b.shape))
+                    at += n
+                del flat
+            finally:
+                if hasattr(arrival.payload, "close"):
+                    arrival.payload.close()
+        return full
+
+    def _send_now(self, buf: _Buf, op) -> None:
+        """Send ``op.blocks`` of ``buf`` (this host's shards) to ``op.dst_data_address``."""
+        payload, error = None, None
+        try:
+            self._check_ready(op.buffer_id, buf)
+            if buf.error is not None:
+                error = buf.error.SerializeToString()
+            else:
+                shape = buf.array.shape
+                shards = []         # (start, value) of each distinct local shard
+                for s in buf.array.addressable_shards:
+                    start = tuple(sl.start or 0 for sl in s.index)
+                    if all(start != t for t, _ in shards):
+                        shards.append((start, np.asarray(s.data)))
+                parts = []
+                for b in op.blocks:
+                    part = _cut(shards, tuple(b.start), tuple(b.shape))
+                    if part is None:
+                        raise ValueError(f"no shard on this host holds the block at "
+                                         f"{list(b.start)} of shape {list(b.shape)} of "
+                                         f"{list(shape)}")
+                    parts.append(np.ascontiguousarray(part).tobytes())
+                payload = memoryview(b"".join(parts))
+        except Exception as e:      # noqa: BLE001
+            error = self._err("program", f"sending buffer {op.buffer_id} from "
+                              f"{self.where} failed: {e}").SerializeToString()
+        try:
+            self.dataplane.send(op.dst_data_address, op.transfer_id, payload, error,
+                                op.same_host)
+        except OSError as e:
+            log.error("transfer %d to %s failed: %s", op.transfer_id, op.dst_data_address, e)
 
     def _fail(self, ids, err) -> None:
         for b in ids:
@@ -389,8 +502,22 @@ class MemberService(_make_servicer_base()):
             self._put(op.put)
         elif which == "release":
             with self.cond:
-                for b in op.release.buffer_ids:
-                    self.store.pop(b, None)
+                gone = [self.store.pop(b, None) for b in op.release.buffer_ids]
+            for buf in gone:
+                if buf is not None and buf.pending is not None:
+                    self._discard(buf.pending)
+        elif which == "recv":
+            r = op.recv
+            n = int(np.prod(tuple(r.meta.shape))) * np_dtype(r.meta.dtype).itemsize
+            self._put_buf(r.buffer_id, _Buf(None, None, n, pending=r))
+        elif which == "send":
+            if op.send.transfer_id:
+                with self.cond:
+                    buf = self.store.get(op.send.buffer_id)
+                if buf is None:
+                    buf = _Buf(error=self._err("unknown_buffer", f"buffer "
+                                               f"{op.send.buffer_id} to send does not exist"))
+                self.dataplane.send_async(self._send_now, buf, op.send)
         elif which == "barrier":
             self._events.put(self.pb.DispatchEvent(barrier=op.barrier.token))
         elif which == "watch":
@@ -398,8 +525,8 @@ class MemberService(_make_servicer_base()):
         else:
             self._fail(validate.op_outputs(op), self._err(
                 "program", f"{which} is not done on a slice that spans hosts yet "
-                "(issue 14): Array.to moves such Arrays through the client, and "
-                "checkpoints of them are not written"))
+                "(issue 14): checkpoints of such slices are not written; move the "
+                "Arrays to a one-host slice (Array.to) to save them"))
 
     def _watch(self, index: int) -> None:
         """A completion watermark covering every op before this one."""
@@ -473,6 +600,7 @@ class MemberService(_make_servicer_base()):
                     "unknown_buffer", f"input buffer {b} of program '{prog.name}' does "
                     "not exist (released or never created)", prog.name))
                 return
+            self._resolve(buf)
             if buf.error is not None:
                 self._fail(op.outputs, buf.error)   # the original failure, unchanged
                 return
@@ -519,8 +647,8 @@ class MemberService(_make_servicer_base()):
         dtype = np_dtype(meta.dtype)
         shape = tuple(meta.shape)
         spec = spec_from_proto(spec_msg)
-        blocks, where = member_blocks(shape, spec, self.axis_names, self.mesh_shape,
-                                      self.member, self.members)
+        blocks, _ = member_blocks(shape, spec, self.axis_names, self.mesh_shape,
+                                  self.member, self.members)
         sizes = [int(np.prod([b - a for a, b in blk])) for blk in blocks]
         if sum(sizes) * dtype.itemsize != len(data):
             raise ValueError(f"{len(data)} bytes for this host's shards of "
@@ -531,11 +659,47 @@ class MemberService(_make_servicer_base()):
         for blk, n in zip(blocks, sizes):
             values.append(flat[at:at + n].reshape(tuple(b - a for a, b in blk)))
             at += n
+        return _Buf(self._global(shape, spec, values), None, len(data))
+
+    def _from_full(self, full: np.ndarray, spec_msg):
+        """A global array from a host-side tensor holding (at least) this host's part."""
+        spec = spec_from_proto(spec_msg)
+        blocks, _ = member_blocks(full.shape, spec, self.axis_names, self.mesh_shape,
+                                  self.member, self.members)
+        return self._global(full.shape, spec, [
+            full[tuple(slice(a, b) for a, b in blk)] for blk in blocks])
+
+    def _global(self, shape, spec, values: list):
+        """The slice's global array whose local devices hold ``values`` (one per
+        distinct block of this host, ``member_blocks`` order)."""
+        _, where = member_blocks(shape, spec, self.axis_names, self.mesh_shape,
+                                 self.member, self.members)
         jax = self.rt.jax
-        local = [jax.device_put(values[k], d) for k, d in zip(where, self.rt.local)]
-        arr = jax.make_array_from_single_device_arrays(
-            shape, self.rt.sharding(spec, self.mesh), local)
-        return _Buf(arr, None, len(data))
+        local = [jax.device_put(np.ascontiguousarray(values[k]).reshape(np.shape(values[k])),
+                                d) for k, d in zip(where, self.rt.local)]
+        return jax.make_array_from_single_device_arrays(
+            tuple(shape), self.rt.sharding(spec, self.mesh), local)
+
+
+def _cut(shards, start: tuple, shape: tuple) -> Optional[np.ndarray]:
+    """The block at ``start`` of ``shape`` from the local shard that contains it."""
+    for s0, value in shards:
+        if all(a <= b and b + n <= a + m
+               for a, b, n, m in zip(s0, start, shape, value.shape)):
+            return value[tuple(slice(b - a, b - a + n) for a, b, n in zip(s0, start, shape))]
+    return None
+
+
+class _Lost(Exception):
+    """A piece of a transfer cannot arrive: its sender is gone."""
+
+
+class _Failed(Exception):
+    """The sender's buffer had failed: ``error`` is its BufferError."""
+
+    def __init__(self, error) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def _avals(avals) -> str:
@@ -577,7 +741,8 @@ def run_member(req: dict) -> None:
         raise
     agent.ExecutorReady(pb.ExecutorReadyRequest(
         slice_id=req["slice_id"], pid=os.getpid(), address=f"{advertise}:{port}",
-        memory_budget=service.budget, rendezvous=rendezvous), timeout=30)
+        data_address=service.dataplane.address, memory_budget=service.budget,
+        rendezvous=rendezvous), timeout=30)
     threading.Thread(target=service.meet, args=(rendezvous,), name="meet",
                      daemon=True).start()
     _proc.serve_until_signal(srv)
