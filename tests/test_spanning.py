@@ -158,6 +158,59 @@ def test_moves_between_two_slices_that_span_hosts(wide):
         other.release()
 
 
+@pytest.mark.parametrize("spec", [P("data", "model"), P(), P(None, ("data", "model"))])
+def test_checkpoint_of_a_slice_that_spans_hosts_is_plain_dcp(wide, tmp_path, spec):
+    import torch.distributed.checkpoint as dcp
+    from pathways_torch.client.checkpoint import load_arrays, save_arrays
+    x = torch.randn(8, 4)
+    y = torch.arange(6, dtype=torch.int64)
+    arrays = {"x": pw.put(x, wide, spec), "y": pw.put(y, wide)}
+    written = save_arrays(str(tmp_path), arrays)
+    assert written == x.numel() * 4 + y.numel() * 8      # each block once
+    plain = {"x": torch.zeros(8, 4), "y": torch.zeros(6, dtype=torch.int64)}
+    dcp.load(plain, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(plain["x"], x) and torch.equal(plain["y"], y)
+    back = load_arrays(str(tmp_path), {"x": (wide, x.shape, x.dtype, P("model")),
+                                       "y": (wide, y.shape, y.dtype, P())})
+    assert torch.equal(back["x"].torch(), x) and torch.equal(back["y"].torch(), y)
+
+
+def test_fit_resumes_on_a_replacement_host_with_plain_torch_losses(cluster, tmp_path):
+    """A host of a 2-host slice dies mid-fit; the cluster restarts it, the Trainer
+    rebuilds the slice over both hosts again, reloads the last checkpoint (written by
+    both hosts) and ends with plain torch's losses."""
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(8)]
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    model = _model()
+    s = pw.slice((2, 2), axis_names=("data", "model"), island=1)
+    trainer = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         torch.nn.functional.cross_entropy, slice=s,
+                         parallelism=pw.DataParallel("data"))
+    killed = []
+
+    def on_step(i, loss):
+        if i == 4 and not killed:
+            killed.append(cluster.worker_pid(1, 1))
+            os.kill(killed[0], signal.SIGKILL)
+
+    got = trainer.fit(data, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
+                      max_restarts=1, on_step=on_step)
+    assert len(trainer.restarts) == 1 and trainer.slices[0].spans_hosts
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {k}: pathways {a} torch {b}"
+    trainer.slices[0].release()
+
+
 def test_a_dead_host_fails_the_slice_on_every_member_and_others_go_on(cluster, wide):
     """Last in the module: it kills island 1's host 1 (the cluster restarts it)."""
     lost = pw.slice((2, 2), axis_names=("data", "model"), island=1)

@@ -1,8 +1,9 @@
 """Checkpoints written and read by the executors, in torch.distributed.checkpoint format.
 
 The bytes never pass through the client: each slice's executor writes the buffers it holds
-into its own part directory (``<path>/part-<k>/``), and the client merges the parts'
-metadata into ``<path>/.metadata``, so that plain ``torch.distributed.checkpoint.load``
+into its own part directory (``<path>/part-<k>/``; each host of a slice that spans hosts
+writes the blocks it is the first to hold as chunks, into ``<path>/part-<k>/m<j>/``),
+and the client merges the parts' metadata into ``<path>/.metadata``, so that plain ``torch.distributed.checkpoint.load``
 reads the whole directory. Loading sends each executor the keys it needs; it reads them
 straight from the files. ``path`` must be a filesystem that every host and the client see
 (one machine here; a shared mount on a cluster), as for any DCP checkpoint.
@@ -40,16 +41,22 @@ def save_arrays(path: str, arrays: Mapping[str, Array]) -> int:
     for key, a in arrays.items():
         a._check_usable()
         by_conn.setdefault(id(a._conn), (a._conn, []))[1].append((key, a))
-    statuses = []
+    statuses, spanning = [], []
     for k, (conn, items) in enumerate(by_conn.values()):
         sid = conn.new_id()
         seq = conn.send(pb.Op(save=pb.SaveOp(
             path=os.path.join(path, _PART.format(k)), keys=[key for key, _ in items],
             buffer_ids=[a._id for _, a in items], status_id=sid)), direct=True)
         slice_ = items[0][1].slice
-        statuses.append(Array(slice_, sid, seq, (1,), torch.int64, P(), "checkpoint save"))
-    written = sum(int(s.torch()[0]) for s in statuses)
-    _merge_metadata(path, len(statuses))
+        if slice_.spans_hosts:      # each host wrote its own blocks: add them up
+            spanning.append((conn, sid, seq))
+        else:
+            statuses.append(Array(slice_, sid, seq, (1,), torch.int64, P(),
+                                  "checkpoint save"))
+    written = sum(int(s.torch()[0]) for s in statuses) + sum(
+        int(v[0]) for conn, sid, seq in spanning
+        for v in conn.fetch_each(sid, seq, "checkpoint save"))
+    _merge_metadata(path, len(by_conn))
     return written
 
 
@@ -105,12 +112,42 @@ def _read_metadata(path: str):
                               "with trainer.save(path)") from None
 
 
+def _read_metadata_of_part(path: str, part: str):
+    """A part's metadata; a slice that spans hosts wrote one directory per host
+    (``m<j>/``), each holding chunks of the same keys: their chunks are put together."""
+    where = os.path.join(path, part)
+    if os.path.exists(os.path.join(where, ".metadata")):
+        return _read_metadata(where)
+    hosts = sorted((d for d in os.listdir(where) if d.startswith("m")),
+                   key=lambda d: int(d[1:]))
+    merged = None
+    for h in hosts:
+        md = _read_metadata(os.path.join(where, h))
+        storage = {idx: dataclasses.replace(info, relative_path=f"{h}/{info.relative_path}")
+                   for idx, info in md.storage_data.items()}
+        if merged is None:
+            merged = dataclasses.replace(md, state_dict_metadata={}, storage_data={},
+                                         planner_data={})
+        for key, entry in md.state_dict_metadata.items():
+            have = merged.state_dict_metadata.get(key)
+            if have is None:
+                merged.state_dict_metadata[key] = dataclasses.replace(
+                    entry, chunks=list(entry.chunks))
+            else:
+                have.chunks.extend(entry.chunks)
+        merged.storage_data.update(storage)
+        merged.planner_data.update(md.planner_data or {})
+    if merged is None:
+        raise CheckpointError(f"{where} holds no checkpoint part")
+    return merged
+
+
 def _merge_metadata(path: str, parts: int) -> None:
     """Combine the parts' metadata into one, with file paths relative to ``path``."""
     merged = None
     for k in range(parts):
         part = _PART.format(k)
-        md = _read_metadata(os.path.join(path, part))
+        md = _read_metadata_of_part(path, part)
         storage = {idx: dataclasses.replace(info, relative_path=f"{part}/{info.relative_path}")
                    for idx, info in md.storage_data.items()}
         if merged is None:

@@ -188,6 +188,19 @@ class MembersConnection:
                 at += n
         return codec.from_bytes(out.tobytes(), meta.dtype, meta.shape)
 
+    def fetch_each(self, buffer_id: int, after_seq: int, what: str,
+                   timeout: Optional[float] = None) -> List[np.ndarray]:
+        """Each member's first shard of a buffer (values that differ per host, such
+        as the bytes each wrote to a checkpoint)."""
+        t = timeout or self.timeout
+        out = []
+        for meta, blocks, data in self._each(
+                lambda m: _local_shards(m, buffer_id, after_seq, what, t)):
+            n = int(np.prod(blocks[0].shape)) if blocks else 0
+            out.append(np.frombuffer(data, _np_dtype(meta.dtype))[:n]
+                       .reshape(tuple(blocks[0].shape) if blocks else (0,)))
+        return out
+
     def compile(self, req: pb.CompileRequest, name: str) -> pb.CompileReply:
         return self._each(lambda m: m.compile(req, name))[0]
 

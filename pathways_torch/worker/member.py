@@ -17,7 +17,9 @@ Moves to and from other slices go host to host on the data plane (``dataplane.py
 the client tells each source host which of its blocks each destination host needs
 (``SendOp.blocks``), and each destination host which pieces to expect
 (``RecvOp.pieces``); a received buffer is taken in when something first needs it.
-Checkpoints and donation are not done here yet.
+Checkpoints are torch.distributed.checkpoint directories as on one host: each member
+writes the blocks it is the first to hold as chunks of the keys (``_save``), and the
+client merges every member's metadata. Donation is not done here (inputs are kept).
 """
 
 from __future__ import annotations
@@ -453,6 +455,78 @@ class MemberService(_make_servicer_base()):
                     arrival.payload.close()
         return full
 
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, op) -> None:
+        """Write the blocks of ``op``'s buffers this host is the first to hold, as
+        chunks of their keys, into ``op.path/m<member>`` (a DCP directory the client
+        merges with the other members'); the status buffer gets the bytes written."""
+        import torch
+        from .. import sharding
+        chunks, err = {}, None
+        for key, b in zip(op.keys, op.buffer_ids):
+            with self.cond:
+                buf = self.store.get(b)
+            if buf is None:
+                err = self._err("unknown_buffer", f"buffer {b} to save as '{key}' does not "
+                                "exist (released or never created)")
+                break
+            self._check_ready(b, buf)
+            if buf.error is not None:
+                err = buf.error
+                break
+            arr = buf.array
+            held: List[list] = [[] for _ in range(self.members)]
+            for d, index in sorted(arr.sharding.devices_indices_map(arr.shape).items(),
+                                   key=lambda t: (t[0].process_index, t[0].id)):
+                blk = tuple((sl.start or 0, n if sl.stop is None else sl.stop)
+                            for sl, n in zip(index, arr.shape))
+                if blk not in held[d.process_index]:
+                    held[d.process_index].append(blk)
+            shards = []
+            for s in arr.addressable_shards:
+                start = tuple(sl.start or 0 for sl in s.index)
+                if all(start != t for t, _ in shards):
+                    shards.append((start, np.asarray(s.data)))
+            for blk in held[self.member]:
+                if any(blk in held[m] for m in range(self.member)):
+                    continue        # a lower member writes it
+                start = tuple(a for a, _ in blk)
+                value = _cut(shards, start, tuple(e - a for a, e in blk))
+                chunks[(key, start)] = _to_torch(torch, value)
+        if err is None:
+            try:
+                nbytes = _write_chunks(os.path.join(op.path, f"m{self.member}"), chunks,
+                                       {k: tuple(self.store[b].array.shape)
+                                        for k, b in zip(op.keys, op.buffer_ids)})
+                self._put_buf(op.status_id, _Buf(self.rt.put(
+                    np.array([nbytes], np.int64), sharding.P(), self.mesh), None, 8))
+                return
+            except Exception as ex:     # noqa: BLE001
+                err = self._err("io", f"writing checkpoint {op.path} on {self.where} "
+                                f"failed: {type(ex).__name__}: {ex}")
+        self._fail([op.status_id], err)
+
+    def _load(self, op) -> None:
+        """Read keys of a DCP checkpoint into new buffers (this host's blocks)."""
+        import warnings
+
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from ..rpc import codec
+        try:
+            flat = {k: torch.empty(tuple(m.shape), dtype=codec.dtype_from_name(m.dtype))
+                    for k, m in zip(op.keys, op.metas)}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")     # "no process group": by design
+                dcp.load(flat, checkpoint_id=op.path, no_dist=True)
+            for k, b, m, spec in zip(op.keys, op.buffer_ids, op.metas, op.specs):
+                full = _to_numpy(flat.pop(k), np_dtype(m.dtype))
+                self._put_buf(b, _Buf(self._from_full(full, spec), None, full.nbytes))
+        except Exception as ex:     # noqa: BLE001
+            self._fail(op.buffer_ids, self._err(
+                "io", f"reading checkpoint {op.path} on {self.where} failed: "
+                f"{type(ex).__name__}: {ex}"))
+
     def _send_now(self, buf: _Buf, op) -> None:
         """Send ``op.blocks`` of ``buf`` (this host's shards) to ``op.dst_data_address``."""
         payload, error = None, None
@@ -522,11 +596,13 @@ class MemberService(_make_servicer_base()):
             self._events.put(self.pb.DispatchEvent(barrier=op.barrier.token))
         elif which == "watch":
             self._watch(index)
+        elif which == "save":
+            self._save(op.save)
+        elif which == "load":
+            self._load(op.load)
         else:
             self._fail(validate.op_outputs(op), self._err(
-                "program", f"{which} is not done on a slice that spans hosts yet "
-                "(issue 14): checkpoints of such slices are not written; move the "
-                "Arrays to a one-host slice (Array.to) to save them"))
+                "program", f"a {which} op is not done on a slice that spans hosts"))
 
     def _watch(self, index: int) -> None:
         """A completion watermark covering every op before this one."""
@@ -688,6 +764,66 @@ def _cut(shards, start: tuple, shape: tuple) -> Optional[np.ndarray]:
                for a, b, n, m in zip(s0, start, shape, value.shape)):
             return value[tuple(slice(b - a, b - a + n) for a, b, n in zip(s0, start, shape))]
     return None
+
+
+def _to_torch(torch, value: np.ndarray):
+    value = np.array(value, order="C", copy=True)     # writable, keeps a 0-d shape
+    if value.dtype.name == "bfloat16":
+        return torch.from_numpy(value.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(value)
+
+
+def _to_numpy(t, dtype: np.dtype) -> np.ndarray:
+    import torch
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy().view(dtype)
+    return t.numpy()
+
+
+def _write_chunks(path: str, chunks: dict, shapes: dict) -> int:
+    """A DCP directory at ``path`` holding ``chunks`` ((key, start) -> tensor) as
+    chunks of their keys (whose whole shapes are ``shapes``); returns the bytes.
+
+    DCP writes them (as flat entries under temporary names), then the metadata is
+    rewritten to say what they are: chunks at ``start`` of the real keys."""
+    import dataclasses
+    import pickle
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorStorageMetadata)
+    os.makedirs(path, exist_ok=True)
+    names = {f"chunk{i}": kc for i, kc in enumerate(chunks)}
+    if chunks:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({n: chunks[kc] for n, kc in names.items()}, checkpoint_id=path,
+                     no_dist=True)
+        md = dcp.FileSystemReader(path).read_metadata()
+    else:
+        from torch.distributed.checkpoint.metadata import Metadata
+        md = Metadata(state_dict_metadata={}, storage_data={}, planner_data={})
+    state, storage = {}, {}
+    for n, (key, start) in names.items():
+        t = chunks[(key, start)]
+        entry = state.setdefault(key, TensorStorageMetadata(
+            properties=md.state_dict_metadata[n].properties,
+            size=torch.Size(shapes[key]), chunks=[]))
+        entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size(start),
+                                                 sizes=torch.Size(t.shape)))
+        info = next(v for i, v in md.storage_data.items() if i.fqn == n)
+        storage[MetadataIndex(key, torch.Size(start))] = info
+    md = dataclasses.replace(md, state_dict_metadata=state, storage_data=storage,
+                             planner_data={k: (k,) for k in state})
+    # DCP's own on-disk metadata format (a pickle on the shared filesystem, read by DCP);
+    # nothing here crosses the wire.
+    tmp = os.path.join(path, ".metadata.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(md, f)
+    os.replace(tmp, os.path.join(path, ".metadata"))
+    return sum(t.numel() * t.element_size() for t in chunks.values())
 
 
 class _Lost(Exception):
