@@ -45,6 +45,11 @@ def test_train_gpt_plain_python(tmp_path):
     assert (tmp_path / "ckpt" / ".metadata").exists()
 
 
+def test_train_gpt_over_two_hosts():
+    s = run(["train_gpt.py", "--steps", "8", "--devices", "4", "--hosts", "2"])
+    assert s["hosts"] == 2 and s["final_loss"] < s["first_loss"]
+
+
 @pytest.mark.slow
 def test_pipeline_gpt_plain_python():
     s = run(["pipeline_gpt.py", "--steps", "3", "--stages", "2", "--microbatches", "2"])

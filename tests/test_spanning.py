@@ -123,6 +123,32 @@ def test_trainer_over_two_hosts_matches_plain_torch(wide, strategy):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {k}: pathways {a} torch {b}"
 
 
+def test_multi_island_over_slices_that_span_hosts_matches_plain_torch(wide):
+    other = pw.slice((2, 2), axis_names=("data", "model"), island=1)
+    try:
+        g = torch.Generator().manual_seed(5)
+        data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+                for _ in range(5)]
+        ref = _model()
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        want = []
+        for x, y in data:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(ref(x), y)
+            loss.backward()
+            opt.step()
+            want.append(loss.item())
+        model = _model()
+        tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                        torch.nn.functional.cross_entropy,
+                        parallelism=pw.MultiIsland([wide, other], axis="data"))
+        got = [float(tr.step(x, y)) for x, y in data]
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert abs(a - b) <= 1e-4 * abs(b), f"step {k}: pathways {a} torch {b}"
+    finally:
+        other.release()
+
+
 @pytest.mark.parametrize("there,back", [(P("d"), P(None, "model")), (P(), P("data")),
                                         (P(None, "d"), P(("data", "model")))])
 def test_moves_to_and_from_a_one_host_slice_reshard_host_to_host(wide, there, back):
