@@ -554,6 +554,8 @@ class CoordinatorService(pbg.CoordinatorServicer):
         others at once; any failure stops those started and gives the devices back."""
         n = len(rec.members)
         started: list = []
+        hosts = [self._agents[w][2].rpartition(":")[0] if w in self._agents else ""
+                 for w, _, _ in rec.members]
 
         async def start(k: int, rendezvous: str):
             wid, host, devices = rec.members[k]
@@ -566,7 +568,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
                     slice_id=rec.slice_id, device_indices=list(devices),
                     mesh_shape=list(rec.mesh_shape), axis_names=list(rec.axis_names),
                     client_id=request.client_id, slice_key=key, member=k, num_members=n,
-                    rendezvous=rendezvous,
+                    rendezvous=rendezvous, member_hosts=hosts,
                     share=session.share if self.rm.per_device > 1 else 0.0),
                     timeout=120, metadata=grpc_util.call_metadata())
             except grpc.aio.AioRpcError as e:

@@ -616,6 +616,15 @@ def check_hlo(hlo: bytes, params: Sequence[tuple[str, tuple[int, ...]]]) -> None
         _array_shape(s, f"result {k}", wire=False)
 
 
+def hlo_shapes(hlo: bytes):
+    """(dtype name, shape) of a checked HLO module's parameters, and of its results."""
+    shape = _hlo_classes().FromString(hlo).host_program_shape
+    res = shape.result
+    return ([_array_shape(s, f"parameter {k}") for k, s in enumerate(shape.parameters)],
+            [_array_shape(s, f"result {k}", wire=False) for k, s in enumerate(
+                res.tuple_shapes if res.element_type == _XLA_TUPLE else [res])])
+
+
 def _check_hlo_name(name: str, what: str, names: set) -> None:
     if not name or len(name) > MAX_NAME or "." not in name or \
             not _HLO_NAME_RE.fullmatch(name):

@@ -144,7 +144,8 @@ def _make_service(zygote: Zygote, island: int, host: int, kind: str, bind_host: 
                 # A host of a slice that spans hosts: a fresh process on jaxlib (see
                 # worker/member.py), not a fork of the torch_xla zygote.
                 spec.update(member=request.member, num_members=request.num_members,
-                            rendezvous=request.rendezvous, agent_pid=os.getpid())
+                            rendezvous=request.rendezvous, agent_pid=os.getpid(),
+                            member_hosts=list(request.member_hosts))
                 member = subprocess.Popen(
                     [sys.executable, "-m", "pathways_torch.worker.member"],
                     stdin=subprocess.PIPE, text=True)

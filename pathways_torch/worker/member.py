@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import tracing
 from ..rpc import validate
-from ..sharding import member_blocks, spec_candidates, spec_from_proto, spec_to_proto
+from ..sharding import member_blocks, spec_from_proto, spec_to_proto
 
 log = logging.getLogger("pathways.member")
 
@@ -127,12 +127,20 @@ class MemberService(_make_servicer_base()):
     def meet(self, rendezvous: str) -> None:
         """Meet the other members at ``rendezvous`` (blocks until all have come)."""
         from .multihost import MultiHostError, MultiHostRuntime
+        kind = os.environ.get("PJRT_DEVICE", "CPU").upper()
         try:
-            self.rt = MultiHostRuntime(rendezvous, self.members, self.member,
-                                       self.local_devices,
-                                       heartbeat_timeout_s=int(self.req.get(
-                                           "heartbeat_timeout_s", 10)),
-                                       init_timeout_s=120)
+            if kind == "CPU":
+                self.rt = MultiHostRuntime(rendezvous, self.members, self.member,
+                                           self.local_devices,
+                                           heartbeat_timeout_s=int(self.req.get(
+                                               "heartbeat_timeout_s", 10)),
+                                           init_timeout_s=120)
+            else:       # TPU, GPU: torch_xla's own multi-controller SPMD
+                from .multicontroller import TorchXlaRuntime
+                self.rt = TorchXlaRuntime(rendezvous, self.members, self.member,
+                                          self.local_devices, devices=self.req["devices"],
+                                          member_hosts=self.req.get("member_hosts", ()),
+                                          kind=kind)
             self.mesh = self.rt.mesh(self.mesh_shape, self.axis_names)
         except MultiHostError as e:
             self._meet_error = str(e)
@@ -170,7 +178,7 @@ class MemberService(_make_servicer_base()):
         if buf.error is not None or buf.array is None:
             return
         try:
-            buf.array.block_until_ready()
+            self.rt.wait(buf.array)
         except Exception as e:      # noqa: BLE001 (jaxlib's errors are untyped)
             buf.error = self._failure(e)
             buf.array = None
@@ -253,21 +261,13 @@ class MemberService(_make_servicer_base()):
         if buf.error is not None:
             yield pb.FetchChunk(has_error=True, error=buf.error)
             return
-        arr = buf.array
+        dtype, shape = self.rt.aval(buf.array)
         first = pb.FetchChunk()
-        first.meta.dtype = _dtype_name(arr.dtype)
-        first.meta.shape.extend(arr.shape)
-        seen, parts = set(), []
-        shards = sorted(arr.addressable_shards, key=lambda s: s.device.id)
-        if not request.local_shards:
-            shards = shards[:0]
-        for s in shards:
-            start = tuple(sl.start or 0 for sl in s.index)
-            if start in seen:
-                continue
-            seen.add(start)
-            value = np.asarray(s.data)
-            value = np.ascontiguousarray(value).reshape(value.shape)     # keeps 0-d
+        first.meta.dtype = _dtype_name(dtype)
+        first.meta.shape.extend(shape)
+        parts = []
+        for start, value in (self.rt.local_blocks(buf.array) if request.local_shards
+                             else []):
             first.blocks.add(start=list(start), shape=list(value.shape))
             parts.append(value.tobytes())
         if not request.local_shards:
@@ -474,19 +474,8 @@ class MemberService(_make_servicer_base()):
             if buf.error is not None:
                 err = buf.error
                 break
-            arr = buf.array
-            held: List[list] = [[] for _ in range(self.members)]
-            for d, index in sorted(arr.sharding.devices_indices_map(arr.shape).items(),
-                                   key=lambda t: (t[0].process_index, t[0].id)):
-                blk = tuple((sl.start or 0, n if sl.stop is None else sl.stop)
-                            for sl, n in zip(index, arr.shape))
-                if blk not in held[d.process_index]:
-                    held[d.process_index].append(blk)
-            shards = []
-            for s in arr.addressable_shards:
-                start = tuple(sl.start or 0 for sl in s.index)
-                if all(start != t for t, _ in shards):
-                    shards.append((start, np.asarray(s.data)))
+            held = self.rt.blocks_by_host(buf.array, self.mesh)
+            shards = self.rt.local_blocks(buf.array)
             for blk in held[self.member]:
                 if any(blk in held[m] for m in range(self.member)):
                     continue        # a lower member writes it
@@ -496,7 +485,7 @@ class MemberService(_make_servicer_base()):
         if err is None:
             try:
                 nbytes = _write_chunks(os.path.join(op.path, f"m{self.member}"), chunks,
-                                       {k: tuple(self.store[b].array.shape)
+                                       {k: self.rt.aval(self.store[b].array)[1]
                                         for k, b in zip(op.keys, op.buffer_ids)})
                 self._put_buf(op.status_id, _Buf(self.rt.put(
                     np.array([nbytes], np.int64), sharding.P(), self.mesh), None, 8))
@@ -535,12 +524,8 @@ class MemberService(_make_servicer_base()):
             if buf.error is not None:
                 error = buf.error.SerializeToString()
             else:
-                shape = buf.array.shape
-                shards = []         # (start, value) of each distinct local shard
-                for s in buf.array.addressable_shards:
-                    start = tuple(sl.start or 0 for sl in s.index)
-                    if all(start != t for t, _ in shards):
-                        shards.append((start, np.asarray(s.data)))
+                shape = self.rt.aval(buf.array)[1]
+                shards = self.rt.local_blocks(buf.array)
                 parts = []
                 for b in op.blocks:
                     part = _cut(shards, tuple(b.start), tuple(b.shape))
@@ -638,28 +623,16 @@ class MemberService(_make_servicer_base()):
                      if req.has_out_specs else None)
         compiled = rt.compile(req.hlo, specs, self.mesh, out_specs)
         reply = self.pb.CompileReply()
-        for k, (shape, sh) in enumerate(zip(compiled.out_shapes, compiled.out_shardings)):
-            spec = out_specs[k] if out_specs is not None else self._spec_of(sh, len(shape))
+        for spec, hlo in zip(compiled.out_specs, compiled.out_hlo):
             spec_to_proto(spec if spec is not None else P(), reply.out_specs.add())
             reply.out_spec_known.append(spec is not None)
-            reply.out_hlo_shardings.append(str(sh._to_xla_hlo_sharding(len(shape))))
+            reply.out_hlo_shardings.append(hlo)
         in_avals = [(np_dtype(m.dtype), tuple(m.shape)) for m in req.inputs]
         self.programs[req.program_id] = _Program(req.name, compiled, params, constants,
                                                  in_avals)
         self.compiles += 1
         reply.compile_s = time.perf_counter() - t0
         return reply
-
-    def _spec_of(self, sharding, rank: int):
-        """The partition spec GSPMD's choice for a result is, or None."""
-        want = sharding._to_xla_hlo_sharding(rank)
-        if want.is_replicated():
-            from ..sharding import P
-            return P()
-        for cand in spec_candidates(rank, self.axis_names):
-            if self.rt.sharding(cand, self.mesh)._to_xla_hlo_sharding(rank) == want:
-                return cand
-        return None
 
     def _execute(self, op) -> None:
         prog = self.programs.get(op.program_id)
@@ -681,7 +654,7 @@ class MemberService(_make_servicer_base()):
                 self._fail(op.outputs, buf.error)   # the original failure, unchanged
                 return
             inputs.append(buf.array)
-        got = [(np.dtype(a.dtype), tuple(a.shape)) for a in inputs]
+        got = [self.rt.aval(a) for a in inputs]
         if got != prog.in_avals:
             # XLA checks this with a process abort; refuse it here.
             self._fail(op.outputs, self._err(
@@ -696,7 +669,8 @@ class MemberService(_make_servicer_base()):
             return
         self.executed += 1
         for b, o in zip(op.outputs, outs):
-            self._put_buf(b, _Buf(o, None, o.size * o.dtype.itemsize))
+            dtype, shape = self.rt.aval(o)
+            self._put_buf(b, _Buf(o, None, int(np.prod(shape)) * dtype.itemsize))
 
     def _put(self, op) -> None:
         parts = self._puts.get(op.buffer_id)
@@ -750,11 +724,7 @@ class MemberService(_make_servicer_base()):
         distinct block of this host, ``member_blocks`` order)."""
         _, where = member_blocks(shape, spec, self.axis_names, self.mesh_shape,
                                  self.member, self.members)
-        jax = self.rt.jax
-        local = [jax.device_put(np.ascontiguousarray(values[k]).reshape(np.shape(values[k])),
-                                d) for k, d in zip(where, self.rt.local)]
-        return jax.make_array_from_single_device_arrays(
-            tuple(shape), self.rt.sharding(spec, self.mesh), local)
+        return self.rt.from_blocks(shape, spec, self.mesh, values, where)
 
 
 def _cut(shards, start: tuple, shape: tuple) -> Optional[np.ndarray]:

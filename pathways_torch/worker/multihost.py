@@ -45,7 +45,9 @@ class MultiHostError(PathwaysError):
 
 class MultiHostProgram:
     """A compiled program of a multi-host slice: the executable, its shardings and its
-    results' global shapes."""
+    results' global shapes; ``out_specs`` (a ``P``, or None where GSPMD chose a
+    sharding that is no partition spec) and ``out_hlo`` (the HLO sharding text) say
+    what the results are, as a one-host executor's CompileReply does."""
 
     def __init__(self, exe, in_shardings: list, out_shardings: list,
                  out_shapes: List[tuple]) -> None:
@@ -53,6 +55,8 @@ class MultiHostProgram:
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self.out_shapes = out_shapes
+        self.out_specs: List[Optional[P]] = []
+        self.out_hlo: List[str] = []
 
 
 class MultiHostRuntime:
@@ -149,10 +153,28 @@ class MultiHostRuntime:
         exe = self.backend.compile_and_load(text, xc.DeviceList(tuple(self.devices)), opts)
         from jax._src.sharding_impls import GSPMDSharding
         chosen = exe.get_output_shardings()     # GSPMD's, where no spec was given
+        given = out_specs
         out_sh = [GSPMDSharding(tuple(self.devices), chosen[i])
                   if out_sh is None or out_sh[i] is None else out_sh[i]
                   for i in range(len(out_shapes))]
-        return MultiHostProgram(exe, in_sh, out_sh, out_shapes)
+        prog = MultiHostProgram(exe, in_sh, out_sh, out_shapes)
+        for k, (shape, sh) in enumerate(zip(out_shapes, out_sh)):
+            spec = given[k] if given is not None and given[k] is not None else \
+                self._spec_of(sh, len(shape), mesh)
+            prog.out_specs.append(spec)
+            prog.out_hlo.append(str(sh._to_xla_hlo_sharding(len(shape))))
+        return prog
+
+    def _spec_of(self, sharding, rank: int, mesh) -> Optional[P]:
+        """The partition spec a sharding GSPMD chose is, or None."""
+        from ..sharding import spec_candidates
+        want = sharding._to_xla_hlo_sharding(rank)
+        if want.is_replicated():
+            return P()
+        for cand in spec_candidates(rank, mesh.axis_names):
+            if self.sharding(cand, mesh)._to_xla_hlo_sharding(rank) == want:
+                return cand
+        return None
 
     def put(self, value_or_shard: "np.ndarray | Callable[[tuple], np.ndarray]",
             spec: P, mesh, shape: Optional[Tuple[int, ...]] = None):
@@ -204,6 +226,46 @@ class MultiHostRuntime:
     def local_shards(arr) -> List[Tuple[tuple, np.ndarray]]:
         """(index, value) of every shard of ``arr`` on this host's devices."""
         return [(s.index, np.asarray(s.data)) for s in arr.addressable_shards]
+
+    # ------------------------------------------------ what a member executor asks
+    # (worker/member.py; worker/multicontroller.py answers the same on TPU and GPU)
+    def from_blocks(self, shape: Sequence[int], spec: P, mesh, values: list,
+                    where: List[int]):
+        """The global array whose local device ``i`` holds ``values[where[i]]``."""
+        local = [self.jax.device_put(_contiguous(values[k]), d)
+                 for k, d in zip(where, self.local)]
+        return self.jax.make_array_from_single_device_arrays(
+            tuple(shape), self.sharding(spec, mesh), local)
+
+    @staticmethod
+    def wait(arr) -> None:
+        """Block until ``arr`` is computed; raises what its computation raised."""
+        arr.block_until_ready()
+
+    @staticmethod
+    def aval(arr) -> Tuple[np.dtype, Tuple[int, ...]]:
+        return np.dtype(arr.dtype), tuple(arr.shape)
+
+    @staticmethod
+    def local_blocks(arr) -> List[Tuple[Tuple[int, ...], np.ndarray]]:
+        """(start, value) of each distinct shard on this host, by device."""
+        out: list = []
+        for s in sorted(arr.addressable_shards, key=lambda s: s.device.id):
+            start = tuple(sl.start or 0 for sl in s.index)
+            if all(start != t for t, _ in out):
+                out.append((start, _contiguous(np.asarray(s.data))))
+        return out
+
+    def blocks_by_host(self, arr, mesh=None) -> List[list]:
+        """The distinct blocks ((start, stop) per dimension) each host holds."""
+        held: List[list] = [[] for _ in range(self.num_processes)]
+        for d, index in sorted(arr.sharding.devices_indices_map(arr.shape).items(),
+                               key=lambda t: (t[0].process_index, t[0].id)):
+            blk = tuple((sl.start or 0, n if sl.stop is None else sl.stop)
+                        for sl, n in zip(index, arr.shape))
+            if blk not in held[d.process_index]:
+                held[d.process_index].append(blk)
+        return held
 
     def shutdown(self) -> None:
         self.jax.distributed.shutdown()
