@@ -60,7 +60,7 @@ def test_torch_xla_member_runtime_on_one_cpu_host_matches_torch(tmp_path):
     p = subprocess.run([sys.executable, MEMBER, str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert "DONE" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
-    out = np.load(tmp_path / "out.npz")
+    out = np.load(tmp_path / "out0.npz")
     want = _loss_and_grads(*[t.clone().requires_grad_() for t in inputs])
     for i, w in enumerate(want):
         np.testing.assert_allclose(out[f"o{i}"], w.detach().numpy(), rtol=1e-5, atol=1e-5)
