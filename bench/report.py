@@ -938,11 +938,51 @@ def slurm(rep: Report) -> None:
                 "as Slurm 24.11.5+ prints.\n")
 
 
+def spanning(rep: Report) -> None:
+    rep.add("## Slices that span hosts\n",
+            "Paper: one SPMD program over 2048 cores of 512 hosts; the cross-host axis "
+            "rides the data-centre network. Here a host's part of such a slice is a member "
+            "executor on jaxlib with gloo (docs/architecture.md, Decision 18).\n")
+    res = rep.get("spanning.py")
+    if res is not None:
+        ms = res.get("ms", {})
+        rows = [[what, f"{num(ms.get('one_host' + k))} ms",
+                 f"{num(ms.get('two_hosts' + k))} ms",
+                 ratio((res.get(key) or {}).get("median"))
+                 + f" ({ratio((res.get(key) or {}).get('min'))}-"
+                   f"{ratio((res.get(key) or {}).get('max'))})"]
+                for what, k, key in (
+                    ("DataParallel training step", "", "two_hosts_over_one_host"),
+                    ("tiny program (`x + 1`, no collective)", "_tiny",
+                     "tiny_program_ratio"),
+                    ("sum of a 1 MiB array sharded over the hosts", "_allreduce",
+                     "allreduce_program_ratio"))]
+        rep.add(f"One cluster of 3 hosts x 4 devices, interleaved rounds "
+                f"({source(res, 'spanning.py')}); median of per-round ratios with "
+                "their spread.\n",
+                table(["what", "1 host x 4 devices", "2 hosts x 2 devices", "ratio"], rows)
+                + "\n")
+    res = rep.get("multihost.py")
+    if res is not None:
+        rows = [["jaxlib 1 x 4 over torch_xla 1 x 4 (one step)",
+                 ratio(res["jax_1x4_over_torch_xla"]["median"]),
+                 f"{ratio(res['jax_1x4_over_torch_xla']['min'])}-"
+                 f"{ratio(res['jax_1x4_over_torch_xla']['max'])}"],
+                ["jaxlib 2 processes x 2 over jaxlib 1 x 4",
+                 ratio(res["jax_2x2_over_jax_1x4"]["median"]),
+                 f"{ratio(res['jax_2x2_over_jax_1x4']['min'])}-"
+                 f"{ratio(res['jax_2x2_over_jax_1x4']['max'])}"],
+                ["1 MiB all-reduce across 2 processes over raw TCP moving 1 MiB",
+                 ratio(res["allreduce_over_tcp"]["median"]), "–"]]
+        rep.add(f"Backends on one module ({source(res, 'multihost.py')}).\n",
+                table(["what", "ratio", "spread"], rows) + "\n")
+
+
 def render(results: dict):
     """The report's markdown and the names of the plots written for it."""
     rep = Report(results)
     for section in (fig5, fig6, fig7, fig9, training, dcn, ray_section, runtime, soak,
-                    faults, scale, slurm):
+                    faults, scale, spanning, slurm):
         section(rep)
     meta = results.get("_meta", {})
     wall = meta.get("total_wall_s")

@@ -51,6 +51,10 @@ BENCHES = [
     # The control plane at scale: the real coordinator and 16 to 2,048 fake hosts, a real
     # client against fake executors (~2-3 min).
     ("scale.py", ["--hosts", "16,256,1024,2048"], ["--fast"]),
+    # Slices that span hosts: torch_xla against jaxlib on one module, gloo against raw
+    # TCP (~1.5 min), and a training step on 2 hosts x 2 against 1 x 4 (~1 min).
+    ("multihost.py", ["--rounds", "3"], ["--rounds", "1", "--steps", "5"]),
+    ("spanning.py", ["--rounds", "5"], ["--rounds", "2", "--steps", "5"]),
 ]
 
 # Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.
