@@ -167,6 +167,29 @@ def test_moves_to_and_from_a_one_host_slice_reshard_host_to_host(wide, there, ba
         small.release()
 
 
+def test_programs_mix_slices_and_reshard_in_place(wide):
+    """A program on the spanning slice takes an Array of a one-host slice (moved there
+    first), and a spanning Array reshards on its own slice (a resharding program)."""
+    small = pw.slice((2,), axis_names=("d",), island=1)
+    try:
+        x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+        @pw.program
+        def add(a, b):
+            return a + b
+
+        a = pw.put(x, wide, P("data"))
+        b = pw.put(y, small, P("d"))
+        c = add(a, b)
+        assert c.slice is wide and torch.equal(c.torch(), x + y)
+        d = c.to(wide, P(None, "model"))
+        assert d.sharding == P(None, "model") and torch.equal(d.torch(), x + y)
+        torch.testing.assert_close(add(b, d.to(small)).torch(), y + (x + y), rtol=0,
+                                   atol=0)
+    finally:
+        small.release()
+
+
 def test_moves_between_two_slices_that_span_hosts(wide):
     other = pw.slice((2, 2), axis_names=("data", "model"), island=1)
     try:

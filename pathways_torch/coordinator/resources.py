@@ -254,7 +254,7 @@ class ResourceManager:
             biggest = index.biggest()
             if size > biggest or (hosts or 1) > 1:
                 return self._reserve_hosts(client_id, tuple(mesh_shape),
-                                           tuple(axis_names), island, size, hosts)
+                                           tuple(axis_names), island, size, hosts, biggest)
             cap = self.per_device
             h = index.best(size) if cap == 1 else self._scan(size, island)
             if h is None:
@@ -317,7 +317,8 @@ class ResourceManager:
 
     def _reserve_hosts(self, client_id: str, mesh_shape: Tuple[int, ...],
                        axis_names: Tuple[str, ...], island: Optional[int],
-                       size: int, hosts: Optional[int] = None) -> SliceRecord:
+                       size: int, hosts: Optional[int] = None,
+                       biggest: int = 0) -> SliceRecord:
         """A slice over several hosts of one island (lock held): the fewest hosts that
         each give ``size / hosts`` devices."""
         cap = self.per_device
@@ -339,13 +340,17 @@ class ResourceManager:
                 break
         if best is None:
             where = f"island {island}" if island is not None else "any island"
-            need = (f"{hosts} hosts" if hosts else "more than one host has")
+            if hosts:
+                need = f"{size} devices over {hosts} hosts"
+            else:
+                need = (f"{size} devices, more than one host has (hosts here have at most "
+                        f"{biggest}), so it spans hosts")
             raise AllocationError(
-                f"a slice of mesh shape {mesh_shape} needs {size} devices over {need}, "
-                f"and {where} has no set of hosts that each give an equal share of them "
-                f"(a slice spans the hosts of one island, the same number of devices on "
-                f"each); free now: {self._free_text(island)}. Release slices, or ask for "
-                "a size that is a multiple of a host's devices", "exhausted")
+                f"a slice of mesh shape {mesh_shape} needs {need}, and {where} has no set "
+                f"of hosts that each give an equal share of them (a slice spans the hosts "
+                f"of one island, the same number of devices on each); free now: "
+                f"{self._free_text(island)}. Release slices, ask for at most {biggest} "
+                "devices (one host), or for a multiple of a host's devices", "exhausted")
         per_host, hosts = best
         sid = f"s{next(self._ids)}"
         members = []
