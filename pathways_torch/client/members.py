@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import TimeoutError
+from ..errors import TimeoutError, WorkerLostError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import member_blocks, spec_from_proto
@@ -84,8 +84,18 @@ class MembersConnection:
         return self.members
 
     def _check(self) -> None:
+        why = self.broken
+        if why is not None:
+            self._lose_all(why)
         for m in self.members:
             m._check()
+
+    def _lose_all(self, why: str) -> None:
+        """One host of the slice is gone: so is the slice (one failure domain), on every
+        member's stream at once, whether or not the coordinator has said so yet."""
+        for m in self.members:
+            if not m.broken and not m.closed:
+                m.mark_lost(f"another host of slice {self.slice_id} failed: {why}")
 
     @classmethod
     def _threads(cls) -> ThreadPoolExecutor:
@@ -104,6 +114,8 @@ class MembersConnection:
             except Exception as e:      # noqa: BLE001 (every member answers first)
                 first = first or e
         if first is not None:
+            if isinstance(first, WorkerLostError):
+                self._lose_all(str(first))
             raise first
         return out
 
