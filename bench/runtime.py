@@ -4,11 +4,18 @@
   executor from the host's zygote and bringing up its devices, beside
   ``cold_process_s``: a fresh Python process that imports torch + torch_xla and
   creates its first device (what an executor would cost without the zygote).
-- ``put_gbps`` / ``fetch_gbps``: 64 MiB of float32 client -> slice and back over the
-  control stream (4 MiB protobuf chunks), beside ``tcp_gbps``: raw TCP on loopback.
+- Bulk bytes, client <-> a 2-device slice (64 MiB of float32), each round measuring
+  in turn raw TCP on loopback (``sendall`` into ``recv_into``), then ``pw.put`` +
+  wait and ``Array.torch()`` by three paths: the data plane through /dev/shm (what a
+  client on the workers' machine gets), the data plane's socket (``PATHWAYS_SHM=0``:
+  what a client on another machine gets), and the old control stream (4 MiB protobuf
+  chunks, forced by raising ``DATA_PLANE_MIN_BYTES``). ``*_over_tcp`` are medians of
+  the per-round ratios, with their range. ``device_put_gbps``/``device_fetch_gbps``:
+  torch_xla's own host<->device copies of the same tensor in the executor (the floor
+  every path pays).
 
-Prints one JSON object (medians of --runs).
-    python bench/runtime.py [--runs 3]
+Prints one JSON object.
+    python bench/runtime.py [--runs 5]
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from common import MIB, emit, median, tcp_gbps
 import torch  # noqa: E402
 
 import pathways_torch as pw  # noqa: E402
+from pathways_torch.client import connection  # noqa: E402
 
 
 def cold_process_s() -> float:
@@ -35,45 +43,102 @@ def cold_process_s() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+DEVICE_COPIES = """
+import time, sys, torch, numpy as np, torch_xla
+import torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
+xr.use_spmd()
+mesh = xs.Mesh(np.arange(2), (2,), ("x",))
+x = torch.randn(int(sys.argv[1]) // 4)
+puts, fetches = [], []
+for _ in range(int(sys.argv[2])):
+    t0 = time.perf_counter(); y = x.to(torch_xla.device()); xs.mark_sharding(y, mesh, (None,))
+    torch_xla.sync(); t1 = time.perf_counter(); y.cpu(); t2 = time.perf_counter()
+    puts.append(x.numel() * 4 / (t1 - t0) / 1e9); fetches.append(x.numel() * 4 / (t2 - t1) / 1e9)
+print(sorted(puts)[len(puts) // 2], sorted(fetches)[len(fetches) // 2])
+"""
+
+
+def device_copies(nbytes: int, runs: int) -> tuple:
+    """torch_xla's host->device (replicated over 2 devices) and device->host copy
+    rates in a fresh process, as an executor does them."""
+    out = subprocess.run([sys.executable, "-c", DEVICE_COPIES, str(nbytes), str(runs)],
+                         capture_output=True, text=True, check=True,
+                         env=dict(os.environ, CPU_NUM_DEVICES="2", PJRT_DEVICE="CPU"))
+    put, fetch = out.stdout.strip().splitlines()[-1].split()
+    return float(put), float(fetch)
+
+
+def put_fetch(s, x: torch.Tensor) -> tuple:
+    nbytes = x.numel() * x.element_size()
+    t0 = time.perf_counter()
+    a = pw.put(x, s)
+    a.wait()
+    t1 = time.perf_counter()
+    back = a.torch()
+    t2 = time.perf_counter()
+    assert torch.equal(back, x)
+    return nbytes / (t1 - t0) / 1e9, nbytes / (t2 - t1) / 1e9
+
+
+PATHS = {
+    "shm": ("1", connection.DATA_PLANE_MIN_BYTES),
+    "socket": ("0", connection.DATA_PLANE_MIN_BYTES),
+    "stream": ("1", 1 << 62),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--mib", type=int, default=64)
     args = ap.parse_args()
     nbytes = args.mib * MIB
     pw.init(devices_per_host=8)
-    alloc, puts, fetches, tcp, cold = [], [], [], [], []
+    alloc, cold, tcp = [], [], []
+    rates = {p: ([], []) for p in PATHS}
     try:
-        for _ in range(args.runs):
+        x = torch.randn(nbytes // 4)
+        for r in range(args.runs):
             t0 = time.perf_counter()
             s = pw.slice((2,))
             pw.put(torch.ones(2), s).torch()
             alloc.append((time.perf_counter() - t0) * 1e3)
-            x = torch.randn(nbytes // 4)
-            t0 = time.perf_counter()
-            a = pw.put(x, s)
-            a.wait()
-            puts.append(nbytes / (time.perf_counter() - t0) / 1e9)
-            t0 = time.perf_counter()
-            back = a.torch()
-            fetches.append(nbytes / (time.perf_counter() - t0) / 1e9)
-            assert torch.equal(back, x)
-            del a
-            s.release()
+            if r == 0:
+                put_fetch(s, x)          # first-use costs (connections, compiles)
             tcp.append(tcp_gbps(nbytes))
+            order = list(PATHS) if r % 2 == 0 else list(reversed(PATHS))
+            for path in order:
+                shm, least = PATHS[path]
+                os.environ["PATHWAYS_SHM"] = shm
+                connection.DATA_PLANE_MIN_BYTES = least
+                put, fetch = put_fetch(s, x)
+                rates[path][0].append(put)
+                rates[path][1].append(fetch)
+            os.environ.pop("PATHWAYS_SHM", None)
+            connection.DATA_PLANE_MIN_BYTES = PATHS["shm"][1]
+            s.release()
         for _ in range(max(1, args.runs // 2)):
             cold.append(cold_process_s())
+        dev_put, dev_fetch = device_copies(nbytes, args.runs)
     finally:
         pw.shutdown()
-    med = median
-    emit({
-        "benchmark": "runtime_costs", "runs": args.runs, "payload_mib": args.mib,
-        "slice_alloc_ms": round(med(alloc), 1), "cold_process_s": round(med(cold), 2),
-        "put_gbps": round(med(puts), 3), "fetch_gbps": round(med(fetches), 3),
-        "tcp_gbps": round(med(tcp), 3),
-        "put_over_tcp": round(med(puts) / med(tcp), 3),
-        "fetch_over_tcp": round(med(fetches) / med(tcp), 3),
-    })
+
+    def ratio(xs):
+        rs = sorted(a / b for a, b in zip(xs, tcp))
+        return {"median": round(median(rs), 3), "min": round(rs[0], 3),
+                "max": round(rs[-1], 3)}
+
+    out = {"benchmark": "runtime_costs", "runs": args.runs, "payload_mib": args.mib,
+           "slice_alloc_ms": round(median(alloc), 1), "cold_process_s": round(median(cold), 2),
+           "tcp_gbps": round(median(tcp), 3),
+           "device_put_gbps": round(dev_put, 3), "device_fetch_gbps": round(dev_fetch, 3)}
+    for path, (puts, fetches) in rates.items():
+        key = "" if path == "shm" else f"_{path}"
+        out[f"put{key}_gbps"] = round(median(puts), 3)
+        out[f"fetch{key}_gbps"] = round(median(fetches), 3)
+        out[f"put{key}_over_tcp"] = ratio(puts)
+        out[f"fetch{key}_over_tcp"] = ratio(fetches)
+    emit(out)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@ message, so many tiny programs cost one message, not one round trip each (Python
 spends ~200 µs of CPU per message on each side here; see docs/architecture.md).
 Releases of dropped Arrays are queued from finalizers in their place in the order, so
 a release never overtakes the op that creates its buffer.
+
+Bulk bytes do not ride the stream: a put of ``DATA_PLANE_MIN_BYTES`` or more goes on the
+executor's data plane (worker/dataplane.py) straight from the tensor's storage, followed
+by a ``RecvOp`` in the stream's order, and a fetch is a pull on that plane, whose bytes
+land in the tensor the caller gets. When client and executor share a machine (a
+loopback address), the bytes go through /dev/shm instead of the socket.
 """
 
 from __future__ import annotations
@@ -13,11 +19,14 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import random
+import socket
 import threading
 import time
 from typing import Iterable, List, Optional, Sequence
 
 import grpc
+import torch
 
 from .. import tracing
 from ..errors import (
@@ -32,11 +41,58 @@ from ..rpc import codec, grpc_util
 from ..rpc import pathways_pb2 as pb
 from ..rpc import pathways_pb2_grpc as pbg
 from ..rpc.ownership import SLICE_KEY, with_slice_key
+from ..worker import dataplane
 from . import graph as graph_mod
 
 _CLOSE = object()
 _MAX_BATCH_OPS = 512
 _MAX_BATCH_BYTES = 8 << 20
+# Puts and fetches of at least this many bytes use the data plane; smaller ones ride
+# the control stream, where they cost no extra round trip (docs/architecture.md).
+DATA_PLANE_MIN_BYTES = 256 << 10
+
+
+class _ClientPlane:
+    """The client's data plane (it only dials): one per process, remade when the
+    cluster token or TLS settings change; None when it cannot serve (TLS without a
+    client certificate), and the bytes then ride the control stream."""
+
+    _lock = threading.Lock()
+    _plane = None
+    _key = None
+
+    @classmethod
+    def get(cls) -> Optional[dataplane.DataPlane]:
+        key = (grpc_util.token(), grpc_util.tls())
+        with cls._lock:
+            if cls._key != key:
+                if cls._plane:
+                    cls._plane.close()
+                try:
+                    cls._plane = dataplane.DataPlane("", listen=False)
+                except Exception:
+                    cls._plane = False
+                cls._key = key
+            return cls._plane or None
+
+    @classmethod
+    def forget(cls) -> None:
+        cls._plane, cls._key = None, None
+        cls._lock = threading.Lock()
+
+
+class _SocketCall:
+    """A pull in flight, which ``mark_lost`` cancels by shutting its socket."""
+
+    def __init__(self) -> None:
+        self.sock = None
+
+    def cancel(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def raise_buffer_error(err, what: str) -> None:
@@ -83,6 +139,7 @@ class _Loop:
 def _forget_loop_in_child() -> None:
     _Loop._loop = None              # its thread does not exist in a forked child
     _Loop._lock = threading.Lock()
+    _ClientPlane.forget()           # nor do its sockets' locks
 
 
 os.register_at_fork(after_in_child=_forget_loop_in_child)
@@ -149,8 +206,9 @@ _WATERMARKS = threading.Condition()
 
 class ExecutorConnection:
     def __init__(self, address: str, where: str, timeout: float, slice_id: str = "",
-                 key: str = "") -> None:
+                 key: str = "", data_address: str = "") -> None:
         self.address = address
+        self.data_address = data_address   # the executor's data plane ("": none)
         self.slice_id = slice_id
         self.where = where
         self.timeout = timeout
@@ -226,10 +284,25 @@ class ExecutorConnection:
                 self._failed.pop(buffer_id, None)
 
     def put(self, tensor, spec_msg: pb.Spec):
-        """Send a CPU tensor to the slice (chunked); returns (buffer id, seq)."""
+        """Send a CPU tensor to the slice; returns (buffer id, seq). The bytes are
+        written before this returns, so the caller may change the tensor afterwards."""
         bid = self.new_id()
-        data = codec.to_bytes(tensor)
         meta = pb.TensorMeta(dtype=codec.dtype_name(tensor.dtype), shape=list(tensor.shape))
+        plane = self._plane(tensor.numel() * tensor.element_size())
+        if plane is not None:
+            self._check()
+            tid = random.getrandbits(63) | 1
+            try:
+                plane.send(self.data_address, tid, codec.byte_view(tensor.contiguous()),
+                           same_host=self._same_host())
+            except OSError as e:
+                self._check()
+                raise WorkerLostError(f"a put on {self.where}: its data plane at "
+                                      f"{self.data_address} is unreachable ({e})") from None
+            seq = self.send(pb.Op(recv=pb.RecvOp(buffer_id=bid, meta=meta, spec=spec_msg,
+                                                 transfer_id=tid, src_host="the client")))
+            return bid, seq
+        data = codec.to_bytes(tensor)
         parts = codec.chunks(data)
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
@@ -237,6 +310,15 @@ class ExecutorConnection:
                 buffer_id=bid, meta=meta if i == 0 or last else None, spec=spec_msg,
                 data=bytes(part), last=last)))
         return bid, seq
+
+    def _plane(self, nbytes: int) -> Optional[dataplane.DataPlane]:
+        """The data plane for ``nbytes`` of bulk data, or None for the control stream."""
+        if not self.data_address or nbytes < DATA_PLANE_MIN_BYTES:
+            return None
+        return _ClientPlane.get()
+
+    def _same_host(self) -> bool:
+        return dataplane.is_loopback(self.data_address) and dataplane.shm_allowed()
 
     # ------------------------------------------------------------- stream plumbing
     def _requests(self) -> Iterable[pb.OpBatch]:
@@ -393,6 +475,9 @@ class ExecutorConnection:
     def _fetch(self, buffer_id: int, after_seq: int, what: str, timeout: Optional[float]):
         self._check()
         t = timeout or self.timeout
+        plane = self._plane(DATA_PLANE_MIN_BYTES)
+        if plane is not None:
+            return self._pull(plane, buffer_id, after_seq, what, t)
         chunks = self.stub.Fetch(pb.FetchRequest(buffer_id=buffer_id, after_seq=after_seq,
                                                  timeout_s=t), timeout=t + 5)
         self._inflight.add(chunks)
@@ -410,6 +495,35 @@ class ExecutorConnection:
             self._inflight.discard(chunks)
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         return codec.from_bytes(data, meta.dtype, meta.shape)
+
+    def _pull(self, plane, buffer_id: int, after_seq: int, what: str, t: float):
+        """A fetch on the data plane: the bytes land in the returned tensor's storage."""
+        req = pb.FetchRequest(buffer_id=buffer_id, after_seq=after_seq, timeout_s=t,
+                              slice_key=self._key, same_host=self._same_host())
+        call = _SocketCall()
+        self._inflight.add(call)
+        try:
+            reply, payload = plane.pull(self.data_address, req.SerializeToString(), t + 5,
+                                        call)
+        except socket.timeout:
+            self._check()
+            raise TimeoutError(f"{what}: no answer from {self.where} within {t} s") from None
+        except OSError as e:
+            self._check()
+            raise WorkerLostError(f"{what}: the data plane of {self.where} at "
+                                  f"{self.data_address} is unreachable ({e})") from None
+        finally:
+            self._inflight.discard(call)
+        if reply.has_error:
+            raise_buffer_error(reply.error, what)
+        dtype = codec.dtype_from_name(reply.meta.dtype)
+        shape = tuple(reply.meta.shape)
+        if payload.numel() != codec.nbytes(dtype, shape):
+            raise WorkerLostError(f"{what}: {self.where} sent {payload.numel()} bytes for "
+                                  f"{reply.meta.dtype}{list(shape)}")
+        if payload.numel() == 0:
+            return torch.empty(shape, dtype=dtype)
+        return payload.view(dtype).reshape(shape)
 
     def wait(self, buffer_ids: List[int], after_seq: int, what: str,
              timeout: Optional[float] = None) -> None:

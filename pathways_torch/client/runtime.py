@@ -86,7 +86,8 @@ class Slice:
         else:
             self._conn = ExecutorConnection(reply.executor_address,
                                             f"island {reply.island} host {reply.host}",
-                                            state.timeout, reply.slice_id, reply.slice_key)
+                                            state.timeout, reply.slice_id, reply.slice_key,
+                                            reply.data_address)
 
     @property
     def spans_hosts(self) -> bool:

@@ -49,6 +49,18 @@ def to_bytes(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's elements as a byte view of its own storage (no copy).
+
+    The view keeps the tensor alive; write it out before the tensor may change.
+    """
+    if not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous tensor")
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def from_bytes(data, dtype_str: str, shape: Sequence[int]) -> torch.Tensor:
     """Rebuild a CPU tensor; raises ValueError if the byte count does not match."""
     dtype = dtype_from_name(dtype_str)

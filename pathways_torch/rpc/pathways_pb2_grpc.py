@@ -639,6 +639,16 @@ class ExecutorStub(object):
                 request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.OpenLoader = channel.unary_unary(
+                '/pathways.Executor/OpenLoader',
+                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderSpec.SerializeToString,
+                response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderInfo.FromString,
+                _registered_method=True)
+        self.Colocated = channel.unary_unary(
+                '/pathways.Executor/Colocated',
+                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ColocatedRequest.SerializeToString,
+                response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ColocatedReply.FromString,
+                _registered_method=True)
         self.Profile = channel.unary_unary(
                 '/pathways.Executor/Profile',
                 request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ProfileRequest.SerializeToString,
@@ -680,6 +690,18 @@ class ExecutorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenLoader(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Colocated(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Profile(self, request, context):
         """Profiling; STOP comes after a barrier on the Dispatch stream, so the spans of every
         op the client had sent are in the reply.
@@ -715,6 +737,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.StatsRequest.FromString,
                     response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.StatsReply.SerializeToString,
+            ),
+            'OpenLoader': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenLoader,
+                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderSpec.FromString,
+                    response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderInfo.SerializeToString,
+            ),
+            'Colocated': grpc.unary_unary_rpc_method_handler(
+                    servicer.Colocated,
+                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.ColocatedRequest.FromString,
+                    response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ColocatedReply.SerializeToString,
             ),
             'Profile': grpc.unary_unary_rpc_method_handler(
                     servicer.Profile,
@@ -857,6 +889,60 @@ class Executor(object):
             '/pathways.Executor/Stats',
             pathways__torch_dot_rpc_dot_pathways__pb2.StatsRequest.SerializeToString,
             pathways__torch_dot_rpc_dot_pathways__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenLoader(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.Executor/OpenLoader',
+            pathways__torch_dot_rpc_dot_pathways__pb2.LoaderSpec.SerializeToString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.LoaderInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Colocated(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.Executor/Colocated',
+            pathways__torch_dot_rpc_dot_pathways__pb2.ColocatedRequest.SerializeToString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.ColocatedReply.FromString,
             options,
             channel_credentials,
             insecure,

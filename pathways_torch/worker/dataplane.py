@@ -11,6 +11,14 @@ Frame: ``MAGIC, transfer_id, flags, nbytes, aux_len`` (little-endian), then ``au
 (an error's BufferError bytes, or the shm path), then ``nbytes`` of payload unless
 the frame is an error or shm frame.
 
+The client uses the same sockets for its bulk bytes (``listen=False``: it only dials).
+A put is a frame like any transfer's. A fetch is a *pull*: the client sends a
+``FLAG_PULL`` frame whose aux is a ``FetchRequest`` (with the slice key), and the
+receiver's ``on_pull`` answers on the same connection with a frame whose aux is a
+``FetchChunk`` (the tensor's meta, or its error) followed by the payload. So a client
+needs no listening port (it may sit behind NAT), and one connection serves one pull at
+a time.
+
 Authentication (only when the cluster has a token): before any frame, the receiver sends
 ``AUTH_MAGIC, nonce_s``; the sender answers ``AUTH_MAGIC, nonce_c, HMAC(token, "client"
 nonce_s nonce_c)`` and the receiver, if that is right, ``HMAC(token, "server" nonce_s
@@ -42,7 +50,7 @@ from ..rpc import grpc_util
 
 MAGIC = b"PWXFER01"
 HEADER = struct.Struct("<8sQQQI")
-FLAG_ERROR, FLAG_SHM = 1, 2
+FLAG_ERROR, FLAG_SHM, FLAG_PULL = 1, 2, 4
 MAX_BYTES = 1 << 40
 MAX_AUX = 1 << 20
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -111,6 +119,18 @@ def listening(address: str) -> bool:
         return False
 
 
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (host:port) is on this machine's loopback interface: then the
+    two ends share /dev/shm and bulk bytes may skip the socket."""
+    host = address.rpartition(":")[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def shm_allowed() -> bool:
+    """/dev/shm exists and PATHWAYS_SHM is not 0 (a switch for benchmarks and odd mounts)."""
+    return SHM_DIR is not None and os.environ.get("PATHWAYS_SHM", "1") != "0"
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     got, n = 0, len(view)
     while got < n:
@@ -130,9 +150,10 @@ class DataPlane:
 
     def __init__(self, bind_host: str, recorder=None, token: Optional[str] = None,
                  tls: Optional[grpc_util.TLSFiles] = None,
-                 advertise_host: str = "") -> None:
+                 advertise_host: str = "", listen: bool = True) -> None:
         """``token``/``tls``: default to the process's (grpc_util.token(), .tls()).
-        ``advertise_host``: the host others dial (default ``bind_host``)."""
+        ``advertise_host``: the host others dial (default ``bind_host``).
+        ``listen=False``: a client's plane, which only sends and pulls."""
         self.rec = recorder             # a tracing.Recorder (spans while profiling)
         t = grpc_util.token() if token is None else token
         self._token = t.encode() if t else b""
@@ -140,11 +161,9 @@ class DataPlane:
         self._tls_server, self._tls_client = tls_contexts(cfg)
         self._tls_name = cfg.server_name if cfg is not None else ""
         self.refused = 0                # connections closed for failing authentication
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((bind_host, 0))
-        self._sock.listen(64)
-        self.address = f"{advertise_host or bind_host}:{self._sock.getsockname()[1]}"
+        # Answers a pull: FetchRequest bytes -> (FetchChunk, payload view or None).
+        self.on_pull = None
+        self._idle_pulls: Dict[str, list] = {}   # address -> connections free for a pull
         self._cond = threading.Condition()
         self._arrived: Dict[int, Arrival] = {}
         self._discarded: set = set()    # transfers whose bytes are dropped on arrival
@@ -157,7 +176,16 @@ class DataPlane:
         self._inflight = 0              # send_async jobs queued or running
         self._idle = threading.Condition()
         self._closed = False
-        threading.Thread(target=self._accept, name="pw-data-accept", daemon=True).start()
+        self._sock = None
+        self.address = ""
+        if listen:
+            self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((bind_host, 0))
+            self._sock.listen(64)
+            self.address = f"{advertise_host or bind_host}:{self._sock.getsockname()[1]}"
+            threading.Thread(target=self._accept, name="pw-data-accept",
+                             daemon=True).start()
 
     # ------------------------------------------------------------------ receive
     def _accept(self) -> None:
@@ -237,6 +265,9 @@ class DataPlane:
                     return                      # not our protocol: drop the connection
                 aux = bytearray(aux_len)
                 _recv_exact(conn, memoryview(aux))
+                if flags & FLAG_PULL:
+                    self._answer_pull(conn, tid, bytes(aux))
+                    continue
                 if flags & FLAG_ERROR:
                     arrival = Arrival(error=bytes(aux))
                 elif flags & FLAG_SHM:
@@ -267,8 +298,71 @@ class DataPlane:
         finally:
             conn.close()
 
+    def _answer_pull(self, conn: socket.socket, tid: int, request: bytes) -> None:
+        """Serve one pull on its own connection: the reply frame, then the payload."""
+        from ..rpc import pathways_pb2 as pb
+        rec = self.rec
+        t0 = rec.now() if rec is not None and rec.on else 0
+        release = None
+        if self.on_pull is None:
+            reply, views, same_host = pb.FetchChunk(has_error=True, error=pb.BufferError(
+                kind="input", message="this data plane serves no pulls")), None, False
+        else:
+            reply, views, same_host, release = self.on_pull(request)
+        try:
+            views = views or []
+            nbytes = sum(len(v) for v in views)
+            flags = 0
+            if same_host and nbytes and shm_allowed():
+                path = self._try_shm(tid, views)
+                if path:
+                    reply.shm_path, flags = path, FLAG_SHM
+            reply.nbytes = nbytes
+            aux = reply.SerializeToString()
+            conn.sendall(HEADER.pack(MAGIC, tid, flags, nbytes, len(aux)) + aux)
+            if not flags:
+                for v in views:
+                    conn.sendall(v)
+        finally:
+            if release is not None:
+                release()
+        self.bytes_sent += nbytes
+        if t0:
+            rec.add("transfer", "pull", t0, nbytes=nbytes, transfer_id=tid,
+                    detail="shared memory" if flags else "socket")
+
+    @classmethod
+    def _try_shm(cls, tid: int, views) -> str:
+        """``_write_shm``, or "" when /dev/shm cannot take the bytes (a container's
+        64 MiB default fills up): the caller sends them on the socket instead."""
+        try:
+            return cls._write_shm(tid, views)
+        except OSError as e:
+            log.warning("/dev/shm refused %d bytes (%s); they go on the socket",
+                        sum(len(v) for v in (views if isinstance(views, list) else [views])),
+                        e.strerror)
+            return ""
+
     @staticmethod
-    def _open_shm(path: str, nbytes: int):
+    def _write_shm(tid: int, views) -> str:
+        """Write ``views`` (one buffer or a list) to a fresh /dev/shm file; its path."""
+        path = os.path.join(SHM_DIR, f"pw-{os.getpid()}-{tid}-{os.urandom(4).hex()}")
+        try:
+            with open(path, "wb") as f:
+                for v in views if isinstance(views, list) else [views]:
+                    f.write(v)
+        except OSError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        return path
+
+    @staticmethod
+    def _open_shm(path: str, nbytes: int, private: bool = False):
+        """Map (and unlink) a /dev/shm file a peer wrote; ``private``: a writable
+        copy-on-write mapping, for a tensor that keeps it."""
         if SHM_DIR is None or os.path.dirname(path) != SHM_DIR:
             raise OSError(f"bad shm path {path!r}")
         fd = os.open(path, os.O_RDONLY)
@@ -276,6 +370,11 @@ class DataPlane:
             os.unlink(path)
             if nbytes == 0:
                 return bytearray()
+            if os.fstat(fd).st_size < nbytes:
+                raise OSError(f"shm file {path!r} holds fewer than {nbytes} bytes")
+            if private:
+                return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
             return mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -380,17 +479,18 @@ class DataPlane:
         t0 = rec.now() if rec is not None and rec.on else 0
         if error is not None:
             frames = [HEADER.pack(MAGIC, transfer_id, FLAG_ERROR, 0, len(error)), error]
-            nbytes = 0
-        elif same_host and SHM_DIR is not None:
-            nbytes = len(payload)
-            path = os.path.join(SHM_DIR, f"pw-{os.getpid()}-{transfer_id}")
-            with open(path, "wb") as f:
-                f.write(payload)
-            aux = path.encode()
-            frames = [HEADER.pack(MAGIC, transfer_id, FLAG_SHM, nbytes, len(aux)), aux]
+            nbytes, how = 0, "error frame"
         else:
             nbytes = len(payload)
-            frames = [HEADER.pack(MAGIC, transfer_id, 0, nbytes, 0), payload]
+            path = self._try_shm(transfer_id, payload) if same_host and nbytes and \
+                SHM_DIR is not None else ""
+            if path:
+                aux = path.encode()
+                frames = [HEADER.pack(MAGIC, transfer_id, FLAG_SHM, nbytes, len(aux)), aux]
+                how = "shared memory"
+            else:
+                frames = [HEADER.pack(MAGIC, transfer_id, 0, nbytes, 0), payload]
+                how = "socket"
         sock, lock = self._conn(address)
         try:
             with lock:
@@ -404,14 +504,70 @@ class DataPlane:
         self.bytes_sent += nbytes
         if t0:
             rec.add("transfer", "send", t0, nbytes=nbytes, peer=address,
-                    transfer_id=transfer_id, detail="error frame" if error is not None else
-                    "shared memory" if same_host and SHM_DIR is not None else "socket")
+                    transfer_id=transfer_id, detail=how)
+
+    def pull(self, address: str, request: bytes, timeout: float, call=None):
+        """Ask the data plane at ``address`` for a buffer (``request``: FetchRequest
+        bytes); returns (FetchChunk, payload), the payload a fresh uint8 CPU tensor that
+        owns its bytes (None for an error). Each pull holds a connection of its own;
+        ``call.sock`` is set to it, so another thread can shut it to cancel the pull."""
+        import torch
+        from ..rpc import pathways_pb2 as pb
+        with self._conns_lock:
+            idle = self._idle_pulls.get(address)
+            sock = idle.pop() if idle else None
+        if sock is None:
+            host, port = address.rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._token or self._tls_client is not None:
+                sock = self._prove(sock, address, host)
+        if call is not None:
+            call.sock = sock
+        ok = False
+        try:
+            tid = int.from_bytes(os.urandom(8), "little") >> 1 | 1
+            sock.settimeout(timeout)
+            sock.sendall(HEADER.pack(MAGIC, tid, FLAG_PULL, 0, len(request)) + request)
+            head = bytearray(HEADER.size)
+            _recv_exact(sock, memoryview(head))
+            magic, got_tid, flags, nbytes, aux_len = HEADER.unpack(head)
+            if magic != MAGIC or got_tid != tid or aux_len > MAX_AUX or nbytes > MAX_BYTES:
+                raise ConnectionError(f"the data plane at {address} answered a pull with "
+                                      "a wrong frame")
+            aux = bytearray(aux_len)
+            _recv_exact(sock, memoryview(aux))
+            reply = pb.FetchChunk()
+            reply.ParseFromString(bytes(aux))
+            if flags & FLAG_SHM:
+                # the tensor maps the file (copy-on-write): no copy on this side
+                payload = torch.frombuffer(self._open_shm(reply.shm_path, nbytes,
+                                                          private=True), dtype=torch.uint8)
+            else:
+                payload = torch.empty(nbytes, dtype=torch.uint8)
+                if nbytes:
+                    _recv_exact(sock, memoryview(payload.numpy()))
+            self.bytes_received += nbytes
+            ok = True
+            return reply, (None if reply.has_error else payload)
+        finally:
+            if ok and not self._closed:
+                sock.settimeout(None)
+                with self._conns_lock:
+                    self._idle_pulls.setdefault(address, []).append(sock)
+            else:
+                sock.close()
 
     def close(self) -> None:
         self._closed = True
-        self._sock.close()
+        if self._sock is not None:
+            self._sock.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._conns_lock:
             for s, _ in self._conns.values():
                 s.close()
             self._conns.clear()
+            for socks in self._idle_pulls.values():
+                for s in socks:
+                    s.close()
+            self._idle_pulls.clear()
