@@ -26,7 +26,8 @@ Example::
 
 import importlib as _importlib
 
-from .errors import (CheckpointError, ClusterShutdownError, DataDependentError, NotInitializedError,
+from .errors import (CheckpointError, ClusterShutdownError, ColocatedError, DataDependentError,
+                     DataLoaderError, NotInitializedError,
                      OutOfMemoryError, PathwaysError, PlacementError, ProgramError,
                      ResourceExhaustedError, ShapeError, ShardingError, TimeoutError,
                      TraceError, WorkerLostError)
@@ -49,6 +50,7 @@ _LAZY = {
     "DataParallel": "parallel.strategies", "FullyShardedDataParallel": "parallel.strategies",
     "TensorParallel": "parallel.strategies", "Pipeline": "parallel.strategies",
     "MultiIsland": "parallel.strategies",
+    "DataLoader": "client.loader", "colocated": "client.colocated",
 }
 
 __all__ = [
@@ -57,10 +59,11 @@ __all__ = [
     "Program", "Graph",
     "Profile",
     "Trainer", "FitResult", "DataParallel", "FullyShardedDataParallel", "TensorParallel", "Pipeline",
-    "MultiIsland",
+    "MultiIsland", "DataLoader", "colocated",
     "PathwaysError", "NotInitializedError", "ClusterShutdownError", "ResourceExhaustedError",
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",
     "ProgramError", "WorkerLostError", "TimeoutError", "OutOfMemoryError", "CheckpointError",
+    "DataLoaderError", "ColocatedError",
 ]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import builtins
 
 __all__ = [
-    "PathwaysError",
+    "PathwaysError", "DataLoaderError", "ColocatedError",
     "NotInitializedError",
     "ClusterShutdownError",
     "ResourceExhaustedError",
@@ -93,3 +93,13 @@ class OutOfMemoryError(ProgramError, MemoryError):
 
 class CheckpointError(PathwaysError, OSError):
     """A checkpoint could not be written or read (the message says where and why)."""
+
+
+class DataLoaderError(ProgramError):
+    """A ``pw.DataLoader``'s dataset, factory or collate function failed on a worker
+    host; the message names the host, the sample index and the batch."""
+
+
+class ColocatedError(ProgramError):
+    """A ``pw.colocated`` function raised (or returned what cannot travel) on a host;
+    ``program`` is the function's name and ``host`` where it ran."""

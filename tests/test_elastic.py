@@ -175,6 +175,52 @@ def test_multi_island_replicas_are_rebuilt_on_both_islands(cluster, tmp_path):
         s.release()
 
 
+def test_fit_on_a_host_loader_replays_the_same_batches(cluster, tmp_path):
+    """pw.DataLoader batches are built on the hosts: after the worker is lost, the
+    replayed steps load the same batches again on the replacement's new slice."""
+    _until(lambda: "lost" not in {d.state for d in pw.devices()}, 120)
+
+    def loader_for(trainer):
+        return pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 48}, batch_size=8,
+                             slice=trainer, shuffle=True, seed=3, num_workers=1)
+
+    trainer = make_trainer(pw.slice((2,), island=0))
+    loader = loader_for(trainer)
+    killed = []
+
+    def on_step(i, loss):
+        if i == 5 and not killed:
+            killed.append(cluster.worker_pid(0))
+            os.kill(killed[0], signal.SIGKILL)
+
+    losses = trainer.fit(loader, steps=STEPS, checkpoint_dir=str(tmp_path),
+                         checkpoint_every=3, max_restarts=1, on_step=on_step)
+    assert len(trainer.restarts) == 1 and len(losses) == STEPS
+    assert loader.position == STEPS == loader.state_dict()["epoch"] * 6 + \
+        loader.state_dict()["index"]                 # 6 batches an epoch: into epoch 1
+    trainer.slices[0].release()
+    # an uninterrupted run on the other island, with a fresh loader: the same numbers
+    again = make_trainer(pw.slice((2,), island=1))
+    assert again.fit(loader_for(again), steps=STEPS) == losses
+    again.slices[0].release()
+
+
+def test_a_lost_worker_fails_a_loader_loop_with_worker_lost(cluster):
+    _until(lambda: "lost" not in {d.state for d in pw.devices()}, 120)
+    s = pw.slice((2,), island=1)
+    loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 64}, batch_size=8,
+                           slice=s, spec=pw.P("data"))
+    it = iter(loader)
+    x, _ = next(it)
+    x.torch()
+    executor, worker = s.stats(sync=False).pid, cluster.worker_pid(1)
+    os.kill(worker, signal.SIGKILL)
+    assert wait_gone([worker, executor]) == []      # mid-epoch: 7 batches to go
+    with pytest.raises(pw.WorkerLostError, match="island 1 host 0"):
+        for x, _ in it:
+            x.torch()
+
+
 def test_the_local_cluster_restarts_a_dead_worker_a_bounded_number_of_times():
     with LocalCluster(devices_per_host=1, max_restarts=1, restart_backoff=0.1) as c:
         first = c.worker_pid(0)

@@ -160,6 +160,13 @@ class LocalCluster:
         base_env = dict(os.environ)
         base_env.setdefault("PJRT_DEVICE", "CPU")
         base_env["PYTHONUNBUFFERED"] = "1"
+        # What the client can import, its local workers can too: the script's folder
+        # and any path it added (pw.DataLoader datasets, pw.colocated functions).
+        extra = [p for p in sys.path if p and os.path.isdir(p)
+                 and not p.startswith((sys.prefix, sys.base_prefix))]
+        if extra:
+            base_env["PYTHONPATH"] = os.pathsep.join(
+                extra + [p for p in base_env.get("PYTHONPATH", "").split(os.pathsep) if p])
         base_env.update(env or {})
         try:
             self._start(base_env, timeout)

@@ -32,6 +32,8 @@ from .. import tracing
 from ..errors import (
     CheckpointError,
     ClusterShutdownError,
+    ColocatedError,
+    DataLoaderError,
     OutOfMemoryError,
     ProgramError,
     TimeoutError,
@@ -108,6 +110,10 @@ def raise_buffer_error(err, what: str) -> None:
     if err.kind == "oom":
         raise OutOfMemoryError(f"{what}{prog}: {err.message}", program=err.program,
                                host=err.host)
+    if err.kind == "data":
+        raise DataLoaderError(f"{what}: {err.message}", host=err.host)
+    if err.kind == "colocated":
+        raise ColocatedError(f"{what}: {err.message}", program=err.program, host=err.host)
     raise ProgramError(f"{what}{prog}: {err.message}", program=err.program, host=err.host)
 
 

@@ -303,6 +303,8 @@ def op_outputs(op) -> list[int]:
         return list(op.load.buffer_ids)
     if which == "save":
         return [op.save.status_id]
+    if which == "batch":
+        return list(op.batch.outputs)
     if which == "gang":
         return [b for inner in op.gang.ops for b in op_outputs(inner)]
     return []
@@ -668,3 +670,24 @@ def _check_computation(c, comps, done, ids, names) -> None:
     if c.root_id not in local:
         raise _bad(f"HLO: the root of computation {c.name!r} is not one of its "
                    "instructions")
+
+
+def check_loader(spec, axis_names) -> None:
+    """A LoaderSpec (pw.DataLoader) whose numbers make sense for this slice."""
+    if not spec.dataset or len(spec.dataset) > 1024:
+        raise _bad("a loader needs a dataset factory name ('package.module:factory')")
+    if len(spec.dataset_kwargs_json) > (1 << 20) or len(spec.collate) > 1024:
+        raise _bad("a loader's dataset_kwargs or collate name is too large")
+    if not 0 < spec.batch_size <= (1 << 31):
+        raise _bad(f"a loader's batch_size must be positive, got {spec.batch_size}")
+    if not 0 < spec.parts <= spec.batch_size:
+        raise _bad(f"a loader cuts each batch into 1 to batch_size parts, got {spec.parts}")
+    if not spec.mine or any(not 0 <= k < spec.parts for k in spec.mine):
+        raise _bad(f"a loader's parts {list(spec.mine)} are not among 0..{spec.parts - 1}")
+    if not 0 <= spec.num_workers <= 256 or not 0 <= spec.prefetch <= 1024:
+        raise _bad("a loader's num_workers (0..256) or prefetch (0..1024) is out of range")
+    if spec.axis and spec.axis not in axis_names:
+        raise _bad(f"a loader's batch axis {spec.axis!r} is not an axis of this slice "
+                   f"{tuple(axis_names)}")
+    if any(k < 0 for k in spec.leaves):
+        raise _bad("a loader's kept items must be non-negative positions")

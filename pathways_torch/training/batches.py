@@ -9,7 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..client.array import Array, put
-from ..errors import ShardingError
+from ..errors import PlacementError, ShardingError
 from ..sharding import P, validate_spec
 
 
@@ -33,9 +33,22 @@ def _place_batch(value, slice_, axis: Optional[str]):
 
 def _split(value, n: int, what: str) -> list:
     """Split every tensor of a batch pytree into ``n`` equal parts along dimension 0."""
+    from ..client.loader import Parts
     leaves, spec = pytree.tree_flatten(value)
     parts = []
     for t in leaves:
+        if isinstance(t, Parts):            # a pw.DataLoader batch: already cut, placed
+            if len(t) != n:
+                raise ShardingError(f"a pw.DataLoader batch cut into {len(t)} parts "
+                                    f"cannot be split into {n} {what}; give the loader "
+                                    "slice=trainer, so that it cuts batches as the "
+                                    "trainer needs")
+            parts.append(t.parts)
+            continue
+        if isinstance(t, Array):
+            raise PlacementError(f"an Array cannot be split into {n} {what} in place; "
+                                 "pass CPU tensors, or a pw.DataLoader(slice=trainer) "
+                                 "batch")
         if not isinstance(t, (torch.Tensor, np.ndarray)):
             parts.append([t] * n)           # a static leaf: the same in every part
             continue

@@ -378,9 +378,17 @@ class _Batches:
     indexed; a plain iterable's batches are kept from the last checkpoint on."""
 
     def __init__(self, data: Any, steps: Optional[int], replay: bool) -> None:
+        from ..client.loader import DataLoader
         self.steps, self._replay = steps, replay
         self._data, self._it, self._kept = data, None, {}
-        if callable(data) and not hasattr(data, "__iter__"):
+        if isinstance(data, DataLoader):
+            # batch i is the loader's batch at its position when fit began, plus i:
+            # a replay (or resume=True) names the same batch again, which the hosts
+            # load again (on the new slices after a restart)
+            self._kind, self._start = "loader", data.position
+            if steps is None:
+                self.steps = len(data) - data.index      # the rest of the epoch
+        elif callable(data) and not hasattr(data, "__iter__"):
             if steps is None:
                 raise PathwaysError("fit(data=callable) needs steps=: the callable "
                                     "gives the batch of each step")
@@ -404,6 +412,8 @@ class _Batches:
             return self._data(i)
         if self._kind == "seq":
             return self._data[i]
+        if self._kind == "loader":
+            return self._data.at(self._start + i)
         if not self._replay and i == self._next:   # no checkpoints: nothing to keep
             self._next += 1
             try:

@@ -170,12 +170,15 @@ class ExecutorService(_make_servicer_base()):
         self._watch_asks = 0            # WatchOps processed on this stream
         self._stream_lock = threading.Lock()
         self._streaming = False         # a Dispatch stream is open
+        self.loaders: dict = {}         # loader id -> worker.loader.HostLoader
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._queue.put(None)
         self.dataplane.close()
+        for loader in list(self.loaders.values()):
+            loader.close()
 
     # ------------------------------------------------------------------ helpers
     def _err(self, kind: str, message: str, program: str = ""):
@@ -380,11 +383,13 @@ class ExecutorService(_make_servicer_base()):
         by shard (torch_xla's gather of ``.cpu()`` is 3x slower here), once per
         distinct shard, and only put together when its shards are not row blocks."""
         torch, XLAC = self.torch, self.torch_xla._XLAC
+        if t.device.type != "xla":          # a status a save wrote: already on the host
+            return [t.contiguous()]
         # the views below need the device work that produces ``t`` done (.cpu() waits
         # on its own); an execution's failure surfaces here
         XLAC._xla_wait_device_ops([])
         if not self.spmd:
-            if t.device.type == "xla" and t.numel():
+            if t.numel():
                 from torch_xla.utils import dlpack
                 try:
                     return [torch.utils.dlpack.from_dlpack(dlpack.to_dlpack(t))]
@@ -505,6 +510,60 @@ class ExecutorService(_make_servicer_base()):
             backpressure_waits=self.backpressure_waits,
             backpressure_seconds=self.backpressure_seconds, planned_bytes=self.planned_bytes)
 
+    def OpenLoader(self, request, context):
+        """Build a pw.DataLoader's dataset here and say what its batches look like."""
+        self._authorize(context)
+        import grpc
+        from .loader import HostLoader, LoaderError
+        try:
+            validate.check_loader(request, self.axis_names)
+        except validate.InvalidMessage as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            loader = HostLoader(request, self.where, self._loader_put)
+            tree, samples, items = loader.describe()
+        except LoaderError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        old = self.loaders.pop(request.loader_id, None)
+        if old is not None:
+            old.close()
+        self.loaders[request.loader_id] = loader
+        reply = self.pb.LoaderInfo(length=loader.length, treespec=tree, leaf_items=items)
+        for dtype, shape in samples:
+            reply.samples.add(dtype=dtype, shape=list(shape))
+        return reply
+
+    def _loader_put(self, cpu, axis: str):
+        spec = P(axis) if axis and cpu.dim() else P()
+        return self._to_device(cpu, spec), self._shards(spec)
+
+    def _batch(self, op) -> None:
+        """A BatchOp: bind the loader's batch (epoch, index) to the op's buffer ids."""
+        loader = self.loaders.get(op.loader_id)
+        if loader is None:
+            b = None
+            err = self._err("data", f"loader {op.loader_id} is not open on {self.where}")
+        else:
+            b = loader.take(op.epoch, op.index, self.transfer_timeout)
+            err = self._err("data", b.error) if b.error else None
+        placed = [x for part in b.tensors for x in part] if err is None else []
+        if err is None and len(placed) != len(op.outputs):
+            err = self._err("data", f"the loader made {len(placed)} buffers for batch "
+                            f"{op.index}, the client asked for {len(op.outputs)}")
+        for k, bid in enumerate(op.outputs):
+            if err is not None:
+                self.store.put(bid, Entry(error=err))
+            else:
+                t, shards = placed[k]
+                self.store.put(bid, Entry(t, None, codec.nbytes(t.dtype, tuple(t.shape)),
+                                          "", None, shards))
+
+    def Colocated(self, request, context):
+        """Run an importable function here on the host copies of some buffers."""
+        self._authorize(context)
+        from .colocated import run_colocated
+        return run_colocated(self, request)
+
     def Profile(self, request, context):
         self._authorize(context)
         validate.guard(context, validate.check_profile, request, self.rec.active)
@@ -613,6 +672,8 @@ class ExecutorService(_make_servicer_base()):
             self._events.put(self.pb.DispatchEvent(barrier=op.barrier.token))
         elif which == "watch":
             self._watch()
+        elif which == "batch":
+            self._batch(op.batch)
         elif which == "save":
             t0 = self.rec.now() if self.rec.on else 0
             self._save(op.save)
@@ -699,6 +760,9 @@ class ExecutorService(_make_servicer_base()):
             elif which == "load":
                 V.check_load(op.load, self.axis_names, self._cap(),
                              self.store.entries.__contains__)
+            elif which == "batch":
+                V.check_new_ids(op.batch.outputs, self.store.entries.__contains__,
+                                "a loader batch")
             elif which == "gang":
                 raise V.InvalidMessage("a gang op inside a gang op (graphs do not nest)")
             elif which is None:
@@ -1316,6 +1380,8 @@ def _buffer_ids(op) -> list:
         return list(op.save.buffer_ids) + [op.save.status_id]
     if which == "load":
         return list(op.load.buffer_ids)
+    if which == "batch":
+        return list(op.batch.outputs)
     if which == "gang":
         return [b for inner in op.gang.ops for b in _buffer_ids(inner)]
     return []

@@ -1,0 +1,303 @@
+"""``pw.DataLoader``: input pipelines that run on the hosts that own the devices.
+
+The client only names batches. Each slice that takes part imports the dataset factory
+by name, builds a ``torch.utils.data.DataLoader`` over its share of each batch, and
+writes that share straight into its devices' buffers, a few batches ahead
+(worker/loader.py). A batch here is the collate function's structure (a tuple, a dict)
+with ``pw.Array`` leaves whose bytes never reach the client.
+
+Where a batch goes:
+
+- ``slice=s`` (a Slice) with ``spec=P("data")``: dimension 0 of every leaf split over
+  the mesh axis ``data`` (``spec=None``: replicated on every device).
+- ``slice=trainer`` (a ``pw.Trainer``): wherever its strategy wants inputs: its slice
+  and batch axis (DataParallel, FSDP, TensorParallel); each island its share
+  (MultiIsland); the first stage the inputs and the last the targets, cut into
+  microbatches (Pipeline). The loader follows the Trainer's slices after
+  ``fit(max_restarts=)`` replaced them.
+
+The order of an epoch is a seeded permutation of every index (``shuffle=True``), the
+same wherever it is computed, so the batches do not depend on how many hosts load them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any, Dict, List, Optional
+
+import grpc
+import torch
+from torch.utils import _pytree as pytree
+
+from ..errors import DataLoaderError, PlacementError, ShardingError
+from ..rpc import codec
+from ..rpc import pathways_pb2 as pb
+from ..sharding import P, as_spec
+from . import runtime
+from .array import Array
+
+
+class Parts:
+    """One leaf of a batch cut into equal row blocks on several slices (MultiIsland's
+    islands, a Pipeline's microbatches): ``parts[k]`` is an Array. Trainers split
+    a batch of these without moving a byte."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: List[Array]) -> None:
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __repr__(self) -> str:
+        return f"Parts({self.parts!r})"
+
+
+class _Target:
+    """One slice's share of every batch: row blocks ``mine`` of ``parts``, of the
+    top-level items ``items`` (empty: all), split over mesh axis ``axis``."""
+
+    def __init__(self, slice_, parts: int, mine: List[int], items: List[int],
+                 axis: Optional[str]) -> None:
+        self.slice, self.parts, self.mine, self.items, self.axis = \
+            slice_, parts, mine, items, axis
+        self.info: Optional[pb.LoaderInfo] = None
+
+
+class DataLoader:
+    """Batches built on the worker hosts, as ``pw.Array`` pytrees.
+
+    ``dataset``: ``"package.module:factory"``, importable on the workers, called there
+    with ``dataset_kwargs`` (JSON values) to make a map-style dataset
+    (``__getitem__``/``__len__``). ``collate_fn``: ``"package.module:fn"`` or None for
+    torch's ``default_collate``; every leaf of a batch must be a tensor with the
+    samples along dimension 0, the same dtypes and per-sample shapes in every batch.
+    ``num_workers``: torch DataLoader worker processes on each host; ``prefetch``:
+    batches each host keeps ready on its devices.
+
+    Iterating gives one epoch from the current position (a loop left early goes on
+    where it stopped); the next loop is the next epoch, with its own permutation.
+    ``state_dict()``/``load_state_dict()`` save and restore the position; ``fit``
+    replays exactly the batches of the steps it replays.
+
+    Example::
+
+        loader = pw.DataLoader("mypkg.data:make_dataset", dataset_kwargs={"split": "train"},
+                               batch_size=256, slice=s, spec=P("data"), shuffle=True,
+                               seed=0, num_workers=2, collate_fn="mypkg.data:collate")
+        for x, y in loader:
+            trainer.step(x, y)
+        state = loader.state_dict()
+    """
+
+    def __init__(self, dataset: str, *, batch_size: int, slice: Any,
+                 dataset_kwargs: Optional[Dict[str, Any]] = None, spec: Any = None,
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False,
+                 num_workers: int = 0, collate_fn: Optional[str] = None,
+                 prefetch: int = 2) -> None:
+        for name, value in (("dataset", dataset), ("collate_fn", collate_fn or "m:f")):
+            if not isinstance(value, str) or ":" not in value:
+                raise TypeError(f"pw.DataLoader's {name} is the import path of a function "
+                                "on the workers, 'package.module:name' (a callable would "
+                                f"have to be pickled, which never crosses the wire), got "
+                                f"{value!r}")
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"pw.DataLoader: batch_size must be a positive int, got "
+                             f"{batch_size!r}")
+        try:
+            kwargs_json = json.dumps(dataset_kwargs or {})
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"pw.DataLoader: dataset_kwargs travel as JSON: {e}") from None
+        self._spec = pb.LoaderSpec(
+            loader_id=random.getrandbits(63) | 1, dataset=dataset,
+            dataset_kwargs_json=kwargs_json, collate=collate_fn or "",
+            batch_size=batch_size, shuffle=shuffle, seed=int(seed), drop_last=drop_last,
+            num_workers=int(num_workers), prefetch=max(1, int(prefetch)))
+        self._where = slice
+        self._data_spec = as_spec(spec)
+        self._targets: List[_Target] = []
+        self._bound: tuple = ()         # the slices the targets were opened on
+        self._length: Optional[int] = None
+        self._tree = None
+        self._items: List[int] = []
+        self._samples: List[tuple] = []
+        self.epoch, self.index = 0, 0   # the next batch: index ``index`` of ``epoch``
+        self._open()
+
+    # ------------------------------------------------------------------ placement
+    def _plan(self) -> List[_Target]:
+        from ..parallel.strategies import MultiIsland, Pipeline
+        from ..training.trainer import Trainer
+        w = self._where
+        if isinstance(w, runtime.Slice):
+            spec = self._data_spec
+            axes = spec.axes(0) if len(spec) else ()
+            if len(spec) > 1 or len(axes) > 1:
+                raise ShardingError(f"pw.DataLoader splits dimension 0 of a batch over "
+                                    f"one mesh axis: spec=P('data') or None, got {spec}")
+            return [_Target(w, 1, [0], [], axes[0] if axes else None)]
+        if not isinstance(w, Trainer):
+            raise TypeError(f"pw.DataLoader(slice=...) takes a pw.Slice or a pw.Trainer, "
+                            f"got {type(w).__name__}")
+        par, slices = w.parallelism, w.slices
+        if isinstance(par, MultiIsland):
+            n = len(slices)
+            return [_Target(s, n, [r], [], par.axis) for r, s in enumerate(slices)]
+        if isinstance(par, Pipeline):
+            m = par.microbatches
+            first, last = slices[0], slices[-1]
+            if first is last:
+                return [_Target(first, m, list(range(m)), [], None)]
+            return [_Target(first, m, list(range(m)), [0], None),
+                    _Target(last, m, list(range(m)), [1], None)]
+        return [_Target(slices[0], 1, [0], [], getattr(par, "batch_axis", None))]
+
+    def _current_slices(self) -> tuple:
+        from ..training.trainer import Trainer
+        w = self._where
+        return tuple(w.slices) if isinstance(w, Trainer) else (w,)
+
+    def _open(self) -> None:
+        """Open the loader on every target slice (again after the Trainer's slices
+        changed) and learn the batches' structure."""
+        targets = self._plan()
+        sp = self._spec
+        for t in targets:
+            s = t.slice
+            runtime.check_alive(s)
+            if s.spans_hosts:
+                raise PlacementError(f"pw.DataLoader: {s!r} spans hosts; host loaders run "
+                                     "on slices of one host for now (MultiIsland: one "
+                                     "slice per island)")
+            msg = pb.LoaderSpec()
+            msg.CopyFrom(sp)
+            msg.parts, msg.axis = t.parts, t.axis or ""
+            msg.mine.extend(t.mine)
+            msg.leaves.extend(t.items)
+            conn = s._conn
+            try:
+                t.info = conn.stub.OpenLoader(msg, timeout=conn.timeout)
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                                grpc.StatusCode.INVALID_ARGUMENT):
+                    raise DataLoaderError(f"pw.DataLoader({sp.dataset!r}): {e.details()}",
+                                          host=conn.where) from None
+                raise conn._rpc_error(e, f"opening pw.DataLoader({sp.dataset!r})") from None
+        info = targets[0].info
+        self._length = info.length
+        self._tree = pytree.treespec_loads(info.treespec)
+        self._items = list(info.leaf_items)
+        self._samples = [(codec.dtype_from_name(m.dtype), tuple(m.shape))
+                         for m in info.samples]
+        self._targets = targets
+        self._bound = self._current_slices()
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        """Every batch (the last one too) must cut into equal blocks per device."""
+        sp = self._spec
+        sizes = {sp.batch_size}
+        tail = self._length % sp.batch_size
+        if tail and not sp.drop_last:
+            sizes.add(tail)
+        for t in self._targets:
+            ways = t.parts * (t.slice.axis_size(t.axis) if t.axis else 1)
+            for b in sizes:
+                if b % ways:
+                    what = "the last batch" if b == tail and b != sp.batch_size else \
+                        "a batch"
+                    raise ShardingError(
+                        f"pw.DataLoader: {what} of {b} samples does not cut into {ways} "
+                        f"equal blocks ({t.parts} part(s) x the devices of axis "
+                        f"{t.axis!r} on {t.slice!r}); use a batch_size divisible by "
+                        f"{ways}" + (", or drop_last=True" if b == tail else ""))
+
+    # ------------------------------------------------------------------ batches
+    def __len__(self) -> int:
+        sp = self._spec
+        n = self._length
+        return n // sp.batch_size if sp.drop_last else -(-n // sp.batch_size)
+
+    @property
+    def dataset_length(self) -> int:
+        """Samples in the dataset (as the hosts built it)."""
+        return self._length
+
+    def __iter__(self):
+        while self.index < len(self):
+            epoch, index = self.epoch, self.index
+            self.index += 1
+            yield self._batch(epoch, index)
+        self.epoch, self.index = self.epoch + 1, 0
+
+    def at(self, position: int) -> Any:
+        """The batch at ``position`` counted over epochs (``epoch * len + index``);
+        the loader then stands after it. What ``fit`` uses to replay steps."""
+        epoch, index = divmod(int(position), len(self))
+        self.epoch, self.index = (epoch, index + 1) if index + 1 < len(self) \
+            else (epoch + 1, 0)
+        return self._batch(epoch, index)
+
+    @property
+    def position(self) -> int:
+        """The next batch, counted over epochs (``epoch * len(self) + index``)."""
+        return self.epoch * len(self) + self.index
+
+    def _batch(self, epoch: int, index: int) -> Any:
+        if self._current_slices() != self._bound:
+            self._open()
+        sp = self._spec
+        size = min(sp.batch_size, self._length - index * sp.batch_size)
+        origin = f"batch {index} of epoch {epoch} of pw.DataLoader({sp.dataset!r})"
+        n = len(self._samples)
+        # per leaf, per part of the whole batch: its Array (None where no target has it)
+        placed: List[List[Optional[Array]]] = [[None] * self._targets[0].parts
+                                               for _ in range(n)]
+        for t in self._targets:
+            keep = [j for j in range(n) if not t.items or self._items[j] in t.items]
+            conn = t.slice._conn
+            ids = [conn.new_id() for _ in t.mine for _ in keep]
+            seq = conn.send(pb.Op(batch=pb.BatchOp(loader_id=sp.loader_id, epoch=epoch,
+                                                   index=index, outputs=ids)))
+            rows = size // t.parts
+            k = 0
+            for part in t.mine:
+                for j in keep:
+                    dtype, sample = self._samples[j]
+                    spec = P(t.axis) if t.axis else P()
+                    shape = (rows,) + sample
+                    placed[j][part] = Array(t.slice, ids[k], seq, shape, dtype,
+                                            spec.normalized(len(shape)), origin)
+                    k += 1
+        leaves = [p[0] if len(p) == 1 else Parts(p) for p in placed]
+        return pytree.tree_unflatten(leaves, self._tree)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, int]:
+        """The position (the next batch) and what fixes the order: resume with
+        ``load_state_dict`` on a loader built the same way."""
+        sp = self._spec
+        return {"epoch": self.epoch, "index": self.index, "seed": sp.seed,
+                "batch_size": sp.batch_size, "shuffle": int(sp.shuffle),
+                "length": self._length}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Go to the position ``state_dict()`` saved; a loader whose order would differ
+        (another seed, batch size, shuffle or dataset length) is refused."""
+        sp = self._spec
+        mine = {"seed": sp.seed, "batch_size": sp.batch_size, "shuffle": int(sp.shuffle),
+                "length": self._length}
+        bad = {k: (state.get(k), v) for k, v in mine.items()
+               if k in state and state[k] != v}
+        if bad:
+            raise ValueError(f"pw.DataLoader.load_state_dict: the saved loader differs in "
+                             f"{', '.join(f'{k} (saved {a}, here {b})' for k, (a, b) in bad.items())}"
+                             "; build the loader as it was built when saved")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+    def __repr__(self) -> str:
+        sp = self._spec
+        return (f"pw.DataLoader({sp.dataset!r}, batch_size={sp.batch_size}, "
+                f"{len(self)} batches an epoch, at epoch {self.epoch} batch {self.index})")

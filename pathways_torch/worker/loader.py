@@ -1,0 +1,320 @@
+"""The host side of ``pw.DataLoader``: batches built beside the devices, a few ahead.
+
+The client names a dataset factory (``"package.module:factory"``, imported here: code
+the hosts can import, never a pickled callable) and how batches are cut. Each epoch's
+order is a seeded permutation of every index, the same on every host, so the batches do
+not depend on how many hosts load them. A slice loads its row blocks (``mine`` of
+``parts``) of each global batch through a ``torch.utils.data.DataLoader`` over exactly
+those indices, and a thread turns each into device buffers ahead of the ``BatchOp``
+that takes it (what torch_xla's ``MpDeviceLoader`` does for a multi-controller script).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import queue
+import threading
+import traceback
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..rpc import codec
+
+log = logging.getLogger("pathways.loader")
+
+
+class LoaderError(Exception):
+    """A dataset, factory or collate function failed (the message names what and where)."""
+
+
+def import_named(name: str, what: str) -> Callable:
+    """``"package.module:attr"`` -> the attribute; a LoaderError that says what to fix."""
+    mod, sep, attr = name.partition(":")
+    if not sep or not mod or not attr:
+        raise LoaderError(f"{what} {name!r} is not 'package.module:name'")
+    try:
+        obj = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as e:
+        raise LoaderError(f"{what} {name!r} cannot be imported on this host "
+                          f"({type(e).__name__}: {e}); the module must be importable by "
+                          "the workers (installed, or on their PYTHONPATH)") from None
+    if not callable(obj):
+        raise LoaderError(f"{what} {name!r} is not callable")
+    return obj
+
+
+def permutation(length: int, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the epoch's samples: the same on every host (and the client)."""
+    if not shuffle:
+        return torch.arange(length)
+    g = torch.Generator()
+    g.manual_seed(int(seed) * 1_000_003 + int(epoch))
+    return torch.randperm(length, generator=g)
+
+
+def batch_rows(length: int, batch_size: int, drop_last: bool, index: int) -> Tuple[int, int]:
+    """The positions ``[start, stop)`` in the epoch's order of batch ``index``."""
+    start = index * batch_size
+    return start, min(start + batch_size, length) if not drop_last else start + batch_size
+
+
+def num_batches(length: int, batch_size: int, drop_last: bool) -> int:
+    return length // batch_size if drop_last else -(-length // batch_size)
+
+
+def part_rows(size: int, parts: int, k: int) -> Tuple[int, int]:
+    """Rows of part ``k`` when a batch of ``size`` is cut into ``parts`` equal blocks."""
+    step = size // parts
+    return k * step, (k + 1) * step
+
+
+class _Batch:
+    """One host batch: (epoch, index), and per part its leaves on the device, or an error."""
+
+    __slots__ = ("epoch", "index", "tensors", "error")
+
+    def __init__(self, epoch: int, index: int, tensors=None, error: str = "") -> None:
+        self.epoch, self.index, self.tensors, self.error = epoch, index, tensors, error
+
+
+class HostLoader:
+    """One loader on one slice: the dataset, and a thread that keeps ``prefetch``
+    batches ready on the devices, from the position the client last asked for."""
+
+    def __init__(self, spec, where: str, to_device: Callable) -> None:
+        self.spec = spec
+        self.where = where
+        self._to_device = to_device           # (cpu tensor, spec of the leaf) -> buffer
+        kwargs = json.loads(spec.dataset_kwargs_json or "{}")
+        factory = import_named(spec.dataset, "the dataset factory")
+        try:
+            self.dataset = factory(**kwargs)
+        except Exception as e:
+            raise LoaderError(f"the dataset factory {spec.dataset!r} raised on {where}: "
+                              f"{type(e).__name__}: {e}") from None
+        self.collate = import_named(spec.collate, "the collate function") \
+            if spec.collate else torch.utils.data.default_collate
+        try:
+            self.length = len(self.dataset)
+        except TypeError:
+            raise LoaderError(f"the dataset of {spec.dataset!r} has no len(): "
+                              "pw.DataLoader needs a map-style dataset "
+                              "(__getitem__ and __len__)") from None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._ready: "queue.Queue" = queue.Queue(maxsize=max(1, spec.prefetch))
+        self._expect: Tuple[int, int] = (-1, -1)   # the batch the prefetcher makes next
+        self._lock = threading.Lock()
+        self.samples: list = []             # per leaf (dtype name, sample shape)
+
+    # ------------------------------------------------------------------ structure
+    def describe(self):
+        """The batch's structure: (treespec JSON, per leaf (dtype, sample shape), per
+        leaf the top-level item), from the first two samples, collated."""
+        n = min(2, self.length)
+        if n == 0:
+            raise LoaderError(f"the dataset of {self.spec.dataset!r} is empty")
+        batch = self._collate([0, 1][:n], epoch=0, index=0)
+        leaves, tree = pytree.tree_flatten(batch)
+        items = _leaf_items(batch)
+        self.samples = [(codec.dtype_name(leaf.dtype), tuple(leaf.shape[1:]))
+                        for leaf in leaves]
+        return pytree.treespec_dumps(tree), self.samples, items
+
+    def _collate(self, indices: List[int], epoch: int, index: int):
+        return _Rows(self.dataset, self.collate, self.spec.dataset, self.where,
+                     [(epoch, index, indices)]).load(0)
+
+    # ------------------------------------------------------------------ batches
+    def take(self, epoch: int, index: int, timeout: float) -> _Batch:
+        """Batch ``index`` of ``epoch``: the next one the prefetcher made, or, after
+        a jump (a load_state_dict, a replay), the first it makes from there."""
+        with self._lock:
+            if self._thread is None or self._expect != (epoch, index):
+                self._restart(epoch, index)
+            n = num_batches(self.length, self.spec.batch_size, self.spec.drop_last)
+            self._expect = (epoch, index + 1) if index + 1 < n else (epoch + 1, 0)
+            ready = self._ready
+        try:
+            b = ready.get(timeout=timeout)
+        except queue.Empty:
+            return _Batch(epoch, index, error=f"batch {index} of epoch {epoch} was not "
+                          f"ready on {self.where} within {timeout:.0f} s")
+        if (b.epoch, b.index) != (epoch, index):       # cannot happen: same order
+            return _Batch(epoch, index, error=f"the loader on {self.where} made batch "
+                          f"{b.index} of epoch {b.epoch}, not {index} of {epoch}")
+        return b
+
+    def _restart(self, epoch: int, index: int) -> None:
+        self._halt()
+        self._stop = threading.Event()
+        self._ready = queue.Queue(maxsize=max(1, self.spec.prefetch))
+        self._thread = threading.Thread(target=self._run, args=(epoch, index, self._stop,
+                                                                self._ready),
+                                        name=f"pw-loader-{self.spec.loader_id}", daemon=True)
+        self._thread.start()
+
+    def _halt(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            try:            # unblock a put on a full queue
+                while True:
+                    self._ready.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._halt()
+
+    def _indices(self, epoch: int, index: int, perm: torch.Tensor) -> List[int]:
+        """This slice's indices of batch ``index``: its parts' rows, in order."""
+        sp = self.spec
+        start, stop = batch_rows(self.length, sp.batch_size, sp.drop_last, index)
+        order = perm[start:stop].tolist()
+        out: List[int] = []
+        for k in sp.mine:
+            a, b = part_rows(len(order), sp.parts, k)
+            out.extend(order[a:b])
+        return out
+
+    def _run(self, epoch: int, index: int, stop: threading.Event, ready: "queue.Queue"):
+        sp = self.spec
+        n = num_batches(self.length, sp.batch_size, sp.drop_last)
+        while not stop.is_set():
+            if index >= n:
+                epoch, index = epoch + 1, 0
+                continue
+            perm = permutation(self.length, sp.shuffle, sp.seed, epoch)
+            plan = [(epoch, i, self._indices(epoch, i, perm)) for i in range(index, n)]
+            try:
+                self._epoch(plan, stop, ready)
+            except Exception:
+                log.error("loader %d: %s", sp.loader_id, traceback.format_exc())
+                return
+            epoch, index = epoch + 1, 0
+
+    def _epoch(self, plan, stop: threading.Event, ready: "queue.Queue") -> None:
+        """Load the batches of ``plan`` in order with torch's DataLoader (its workers
+        read samples in parallel), each to the devices, each into ``ready``."""
+        sp = self.spec
+        dl = torch.utils.data.DataLoader(
+            _Rows(self.dataset, self.collate, sp.dataset, self.where, plan), batch_size=None, shuffle=False,
+            num_workers=sp.num_workers, collate_fn=_identity,
+            prefetch_factor=2 if sp.num_workers else None,
+            persistent_workers=False)
+        it = iter(dl)
+        for epoch, index, _ in plan:
+            if stop.is_set():
+                return
+            try:
+                samples_or_error = next(it)
+            except StopIteration:
+                return
+            except Exception as e:
+                samples_or_error = f"loading batch {index} of epoch {epoch} on " \
+                                   f"{self.where} failed: {type(e).__name__}: {e}"
+            if isinstance(samples_or_error, str):
+                b = _Batch(epoch, index, error=samples_or_error)
+            else:
+                b = self._place(epoch, index, samples_or_error)
+            while not stop.is_set():
+                try:
+                    ready.put(b, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+
+    def _place(self, epoch: int, index: int, batch) -> _Batch:
+        """Cut a loaded batch into this slice's parts and put each leaf on the devices."""
+        sp = self.spec
+        try:
+            items = _leaf_items(batch)
+            leaves = pytree.tree_leaves(batch)
+            keep = [j for j, it in enumerate(items) if not sp.leaves or it in sp.leaves]
+            rows = leaves[0].shape[0] if leaves else 0
+            got = [(codec.dtype_name(t.dtype), tuple(t.shape[1:])) for t in leaves]
+            if got != self.samples or any(t.shape[0] != rows for t in leaves):
+                return _Batch(epoch, index, error=(
+                    f"batch {index} of epoch {epoch} on {self.where} has leaves "
+                    f"{[(d, [t.shape[0], *s]) for (d, s), t in zip(got, leaves)]}, but the "
+                    f"loader's first samples gave {[(d, ['batch', *s]) for d, s in self.samples]}"
+                    ": every batch must have the same structure, dtypes and per-sample "
+                    "shapes (pad or crop in the dataset or collate_fn)"))
+            parts = []
+            for p in range(len(sp.mine)):
+                a, b = part_rows(rows, len(sp.mine), p)
+                parts.append([self._to_device(leaves[j][a:b].contiguous(), sp.axis)
+                              for j in keep])
+            return _Batch(epoch, index, parts)
+        except Exception as e:
+            return _Batch(epoch, index, error=f"placing batch {index} of epoch {epoch} on "
+                          f"{self.where} failed: {type(e).__name__}: {e}")
+
+
+def _identity(x):
+    return x
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Batch k of a plan, loaded and collated (what each DataLoader worker runs); a
+    failure comes back as its message, so one bad sample fails one batch only. Holds
+    only the dataset, the collate function and names: picklable where they are."""
+
+    def __init__(self, dataset, collate, name: str, where: str, plan) -> None:
+        self.dataset, self.collate, self.name, self.where = dataset, collate, name, where
+        self.plan = plan
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, k: int):
+        try:
+            return self.load(k)
+        except LoaderError as e:
+            return str(e)
+
+    def load(self, k: int):
+        """Load and collate batch k; a LoaderError naming the sample that failed."""
+        epoch, index, indices = self.plan[k]
+        samples = []
+        for i in indices:
+            try:
+                samples.append(self.dataset[int(i)])
+            except Exception as e:
+                raise LoaderError(
+                    f"the dataset {self.name!r} raised on {self.where} for index {int(i)} "
+                    f"(batch {index} of epoch {epoch}): {type(e).__name__}: {e}") from None
+        try:
+            batch = self.collate(samples)
+        except Exception as e:
+            raise LoaderError(f"collating batch {index} of epoch {epoch} on {self.where} "
+                              f"failed: {type(e).__name__}: {e}") from None
+        for leaf in pytree.tree_leaves(batch):
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+                kind = type(leaf).__name__ + (" (0-d)" if isinstance(leaf, torch.Tensor)
+                                              else "")
+                raise LoaderError(
+                    f"batch {index} of epoch {epoch} has a leaf of type {kind}: every leaf "
+                    "of a pw.DataLoader batch must be a tensor with the samples along "
+                    "dimension 0 (drop other fields in collate_fn)")
+        return batch
+
+
+def _leaf_items(batch) -> List[int]:
+    """For each leaf of ``batch``, the top-level item it belongs to (a tuple or list
+    batch: its position; anything else: 0)."""
+    if isinstance(batch, (tuple, list)):
+        out: List[int] = []
+        for k, item in enumerate(batch):
+            out.extend([k] * len(pytree.tree_leaves(item)))
+        return out
+    return [0] * len(pytree.tree_leaves(batch))

@@ -1,0 +1,56 @@
+"""Datasets and functions the tests' worker hosts import by name (pw.DataLoader,
+pw.colocated); the embedded cluster puts this folder on their path."""
+
+import torch
+
+
+class Rows(torch.utils.data.Dataset):
+    """Sample i: ``x`` = i repeated ``dim`` times (float32), ``y`` = a fixed random
+    regression target; ``bad``: an index whose read raises."""
+
+    def __init__(self, n=64, dim=8, out=4, bad=-1):
+        self.n, self.dim, self.bad = n, dim, bad
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(n, dim, generator=g)
+        self.x[:, 0] = torch.arange(n, dtype=torch.float32)
+        self.y = torch.randn(n, out, generator=g)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise KeyError(f"sample {i} is corrupt")
+        return self.x[i], self.y[i]
+
+
+def rows(**kw):
+    return Rows(**kw)
+
+
+def dict_rows(**kw):
+    class D(Rows):
+        def __getitem__(self, i):
+            x, y = super().__getitem__(i)
+            return {"x": x, "y": y}
+    return D(**kw)
+
+
+def with_strings(**kw):
+    class S(Rows):
+        def __getitem__(self, i):
+            return super().__getitem__(i)[0], f"name-{i}"
+    return S(**kw)
+
+
+def broken_factory(**kw):
+    raise RuntimeError("no such split: " + str(kw.get("split")))
+
+
+def summarize(x, y, scale=1.0):
+    return {"sum": float(x.double().sum()) * scale, "doubled": x * 2,
+            "pair": (y + 1, "label")}
+
+
+def boom(x):
+    raise ValueError("bad value in a colocated function")

@@ -1,0 +1,281 @@
+"""Bulk data and input pipelines on a real two-island cluster: puts, fetches and island
+transfers on the data plane (through /dev/shm, the socket, and the control stream),
+``pw.DataLoader`` batches built on the hosts (checked against torch's DataLoader and
+against plain torch training), and ``pw.colocated`` functions.
+
+The hosts import ``tests/loader_data.py`` by name: the embedded cluster gives its
+workers the client's import path.
+"""
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch import P
+from pathways_torch.client import connection
+
+import loader_data
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+          torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
+
+
+@pytest.fixture(scope="module")
+def islands():
+    pw.init(islands=2, devices_per_host=4, timeout=120)
+    try:
+        yield [pw.slice((2, 2), axis_names=("data", "model"), island=i) for i in range(2)]
+    finally:
+        pw.shutdown()
+
+
+@pytest.fixture(params=["shm", "socket", "stream"])
+def path(request, monkeypatch):
+    """Which way bulk bytes go: the data plane through /dev/shm or its socket, or the
+    control stream (the data plane off)."""
+    monkeypatch.setenv("PATHWAYS_SHM", "0" if request.param == "socket" else "1")
+    if request.param == "stream":
+        monkeypatch.setattr(connection, "DATA_PLANE_MIN_BYTES", 1 << 62)
+    else:
+        monkeypatch.setattr(connection, "DATA_PLANE_MIN_BYTES", 1024)
+    return request.param
+
+
+def sample(dtype, shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=g)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 100).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g,
+                         dtype=torch.int64).to(dtype)
+
+
+# ---------------------------------------------------------------- puts, fetches, moves
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_put_and_fetch_every_dtype_and_spec(islands, path, dtype):
+    s = islands[0]
+    x = sample(dtype, (32, 12, 5))
+    for spec in (P(), P("data"), P(None, "model"), P("data", "model"), P(("data", "model"))):
+        back = pw.put(x, s, spec).torch()
+        assert back.dtype == dtype and back.shape == x.shape
+        assert torch.equal(back, x), (path, spec)
+
+
+def test_put_and_fetch_empty_non_contiguous_and_scalars(islands, path):
+    s = islands[0]
+    before = s.stats().bytes_received
+    base = torch.randn(64, 48)
+    for x in (base.t(), base[::2, 1::3], base[:, :0], torch.zeros(0, 5),
+              torch.tensor(3.5), base.expand(2, 64, 48)):
+        a = pw.put(x, s)
+        back = a.torch()
+        assert back.shape == x.shape and torch.equal(back, x)
+        assert back.is_contiguous()
+    # the caller may change its tensor once put returns: the put took its bytes
+    x = torch.randn(256, 256)
+    keep = x.clone()
+    a = pw.put(x, s, P("data"))
+    x.fill_(0)
+    assert torch.equal(a.torch(), keep)
+    # the bytes went by the data plane, or (stream) not
+    got = s.stats().bytes_received - before
+    assert (got >= keep.numel() * 4) if path != "stream" else got == 0, (path, got)
+
+
+def test_fetched_tensors_are_the_callers(islands, path):
+    """A fetch gives a fresh tensor that owns its bytes: writing it changes nothing on
+    the slice (the /dev/shm path maps the file copy-on-write)."""
+    s = islands[0]
+    x = torch.randn(300, 300)
+    a = pw.put(x, s)
+    b = a.torch()
+    b.mul_(0)
+    assert torch.equal(a.torch(), x)
+
+
+def test_program_outputs_fetch_on_every_path(islands, path):
+    s = islands[0]
+    f = pw.program(lambda t: (t * 2 + 1).sum(-1))
+    x = torch.randn(64, 128, dtype=torch.float64)
+    for spec in (P(), P("data")):
+        out = f(pw.put(x, s, spec))
+        assert torch.allclose(out.torch(), (x * 2 + 1).sum(-1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_island_transfers_with_resharding(islands, dtype):
+    a, b = islands
+    x = sample(dtype, (32, 20))
+    for src, dst in ((P(), P("data")), (P("data"), P(None, "model")),
+                     (P("data", "model"), P())):
+        moved = pw.put(x, a, src).to(b, dst)
+        assert moved.slice is b and moved.sharding == dst.normalized(2)
+        assert torch.equal(moved.torch(), x)
+    assert torch.equal(pw.put(x[:, :0], a).to(b).torch(), x[:, :0])
+
+
+# ---------------------------------------------------------------- pw.DataLoader
+def reference(n, batch_size, seed, epoch, shuffle=True, drop_last=False, **kw):
+    """torch's own DataLoader over the same dataset in the documented order: a
+    randperm seeded with seed * 1_000_003 + epoch."""
+    ds = loader_data.Rows(n=n, **kw)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(
+        seed * 1_000_003 + epoch)).tolist() if shuffle else list(range(n))
+    return list(torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=order,
+                                            drop_last=drop_last))
+
+
+def test_batches_equal_torch_dataloader_and_cover_each_epoch(islands):
+    s = islands[0]
+    loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 36}, batch_size=8,
+                           slice=s, spec=P("data"), shuffle=True, seed=4)
+    assert len(loader) == 5 and loader.dataset_length == 36   # the last batch has 4
+    epochs = []
+    for epoch in range(2):
+        ref = reference(36, 8, seed=4, epoch=epoch)
+        seen = []
+        for (x, y), (rx, ry) in zip(loader, ref, strict=True):
+            assert isinstance(x, pw.Array) and x.slice is s and x.sharding == P("data")
+            assert torch.equal(x.torch(), rx) and torch.equal(y.torch(), ry)
+            seen += x.torch()[:, 0].long().tolist()
+        assert sorted(seen) == list(range(36))      # every index once
+        epochs.append(seen)
+    assert epochs[0] != epochs[1]                   # each epoch has its own order
+    assert loader.state_dict()["epoch"] == 2
+
+
+def test_islands_load_their_halves(islands):
+    """A MultiIsland trainer's loader: each island's host loads half of each batch,
+    and together they are torch's batch; over an epoch every index comes once."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    trainer = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         torch.nn.functional.mse_loss, slice=islands,
+                         parallelism=pw.MultiIsland(islands, "data"))
+    loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 32}, batch_size=8,
+                           slice=trainer, shuffle=True, seed=1)
+    seen = []
+    for (x, y), (rx, ry) in zip(loader, reference(32, 8, seed=1, epoch=0), strict=True):
+        assert [p.slice for p in x.parts] == islands and len(y.parts) == 2
+        assert torch.equal(torch.cat([p.torch() for p in x.parts]), rx)
+        assert torch.equal(torch.cat([p.torch() for p in y.parts]), ry)
+        seen += [int(v) for p in x.parts for v in p.torch()[:, 0]]
+    assert sorted(seen) == list(range(32))
+
+
+def torch_losses(model, opt, batches, loss_fn=torch.nn.functional.mse_loss):
+    out = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        out.append(float(loss))
+    return out
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "islands", "pipeline"])
+def test_training_on_host_batches_matches_torch(islands, strategy):
+    """Trainers fed by pw.DataLoader give plain torch's losses on the same batches
+    (tolerance 1e-5: the same float32 math, reduced in another order)."""
+    model, ref = make(), make()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if strategy == "dp":
+        kw = dict(slice=islands[0], parallelism=pw.DataParallel("data"))
+    elif strategy == "fsdp":
+        kw = dict(slice=islands[0], parallelism=pw.FullyShardedDataParallel("data"))
+    elif strategy == "islands":
+        kw = dict(parallelism=pw.MultiIsland(islands, "data"))
+    else:
+        kw = dict(parallelism=pw.Pipeline(2, 2, islands))
+    trainer = pw.Trainer(model, opt, torch.nn.functional.mse_loss, **kw)
+    loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 48}, batch_size=16,
+                           slice=trainer, shuffle=True, seed=2)
+    got = [float(trainer.step(x, y)) for x, y in loader]
+    want = torch_losses(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                        reference(48, 16, seed=2, epoch=0))
+    assert len(got) == 3
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
+
+
+def test_state_dict_resumes_with_the_same_batches(islands):
+    s = islands[1]
+
+    def make_loader(seed=7):
+        return pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 40}, batch_size=8,
+                             slice=s, spec=P("data"), shuffle=True, seed=seed,
+                             num_workers=1)
+    loader = make_loader()
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    after = [x.torch() for x, _ in it]             # batches 2, 3, 4
+    again = make_loader()
+    again.load_state_dict(state)
+    resumed = [x.torch() for x, _ in again]
+    assert len(resumed) == 3 and all(torch.equal(a, b) for a, b in zip(after, resumed))
+    with pytest.raises(ValueError, match="seed"):
+        make_loader(seed=8).load_state_dict(state)
+
+
+def test_dict_batches_and_drop_last(islands):
+    s = islands[0]
+    loader = pw.DataLoader("loader_data:dict_rows", dataset_kwargs={"n": 21},
+                           batch_size=4, slice=s, spec=P("data"), drop_last=True)
+    batches = list(loader)
+    assert len(batches) == 5 and set(batches[0]) == {"x", "y"}
+    assert torch.equal(batches[-1]["x"].torch(), loader_data.Rows(n=21).x[16:20])
+    with pytest.raises(pw.ShardingError, match="drop_last=True"):
+        pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 21}, batch_size=4,
+                      slice=s, spec=P("data"))
+
+
+def test_dataset_errors_are_typed_and_the_cluster_stays_usable(islands):
+    s = islands[0]
+    loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 16, "bad": 5},
+                           batch_size=8, slice=s, spec=P("data"))
+    first, second = list(loader)
+    with pytest.raises(pw.DataLoaderError, match=r"index 5 .*batch 0 of epoch 0.*corrupt") \
+            as e:
+        first[0].torch()
+    assert e.value.host == "island 0 host 0" and isinstance(e.value, pw.ProgramError)
+    assert torch.equal(second[0].torch(), loader_data.Rows(n=16).x[8:])   # goes on
+    with pytest.raises(pw.DataLoaderError, match="no such split: dev"):
+        pw.DataLoader("loader_data:broken_factory", dataset_kwargs={"split": "dev"},
+                      batch_size=8, slice=s)
+    with pytest.raises(pw.DataLoaderError, match="cannot be imported"):
+        pw.DataLoader("loader_data_nope:rows", batch_size=8, slice=s)
+    with pytest.raises(pw.DataLoaderError, match="must be a tensor"):
+        pw.DataLoader("loader_data:with_strings", batch_size=8, slice=s)
+    with pytest.raises(TypeError, match="pickled"):
+        pw.DataLoader(loader_data.rows, batch_size=8, slice=s)
+    assert torch.equal(pw.put(torch.ones(3), s).torch(), torch.ones(3))
+
+
+# ---------------------------------------------------------------- pw.colocated
+def test_colocated_runs_on_the_host_and_returns_arrays_and_values(islands):
+    s = islands[1]
+    x, y = torch.randn(8, 6), torch.arange(4.0)
+    out = pw.colocated("loader_data:summarize")(pw.put(x, s, P("data")), pw.put(y, s),
+                                                scale=2.0)
+    assert out["sum"] == pytest.approx(float(x.double().sum()) * 2, rel=1e-12)
+    assert isinstance(out["doubled"], pw.Array) and out["doubled"].slice is s
+    assert torch.equal(out["doubled"].torch(), x * 2)
+    assert torch.equal(out["pair"][0].torch(), y + 1) and out["pair"][1] == "label"
+    with pytest.raises(pw.ColocatedError, match="bad value") as e:
+        pw.colocated("loader_data:boom")(pw.put(x, s))
+    assert e.value.host == "island 1 host 0"
+    with pytest.raises(TypeError, match="pickled"):
+        pw.colocated(loader_data.boom)
+    assert torch.equal(pw.put(y, s).torch(), y)
