@@ -5,10 +5,13 @@
   with raw TCP).
 - ``end_to_end_gbps``: ``y = x.to(other_island)`` until ``y`` exists as a device buffer
   there: includes reading the source buffer off the device and writing it to the
-  destination device, which on CPU XLA are copies of their own.
+  destination device, which on CPU XLA are copies of their own. For a buffer split
+  over the 2 devices on both sides (``P("data")``), a replicated one, and one
+  resharded on the way (split -> replicated); ``*_over_tcp``: medians of the per-round
+  ratios to raw TCP, with their range.
 - ``tcp_gbps``: one ``sendall`` into ``recv_into`` on loopback, in this process.
 
-Prints one JSON object (medians of --runs).
+Prints one JSON object (medians of --runs; the cases interleaved in each round).
     python bench/dcn.py [--mib 64] [--runs 5]
 """
 
@@ -25,6 +28,10 @@ import pathways_torch as pw  # noqa: E402
 from pathways_torch import P  # noqa: E402
 
 
+CASES = {"sharded": (P("data"), P("data")), "replicated": (P(), P()),
+         "resharded": (P("data"), P())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=64)
@@ -32,34 +39,46 @@ def main() -> None:
     args = ap.parse_args()
     nbytes = args.mib * MIB
     pw.init(islands=2, hosts_per_island=1, devices_per_host=2)
-    wire, e2e, tcp = [], [], []
+    wire, tcp = [], []
+    e2e = {c: [] for c in CASES}
     try:
-        a = pw.slice((2,), island=0)
-        b = pw.slice((2,), island=1)
-        x = pw.put(torch.randn(nbytes // 4), a, P("data"))
-        x.wait()
-        x.to(b, P("data")).wait()                              # warm the path
-        for _ in range(args.runs):
-            before = b.stats()
-            t0 = time.perf_counter()
-            y = x.to(b, P("data"))
-            y.wait()
-            e2e.append(nbytes / (time.perf_counter() - t0) / 1e9)
-            after = b.stats()
-            got = after.bytes_received - before.bytes_received
-            assert got == nbytes, got
-            wire.append(got / (after.recv_seconds - before.recv_seconds) / 1e9)
-            del y
+        a = pw.slice((2,), axis_names=("data",), island=0)
+        b = pw.slice((2,), axis_names=("data",), island=1)
+        value = torch.randn(nbytes // 4)
+        xs = {c: pw.put(value, a, src) for c, (src, _) in CASES.items()}
+        for c, (_, dst) in CASES.items():
+            xs[c].to(b, dst).wait()                              # warm the path
+        for r in range(args.runs):
             tcp.append(tcp_gbps(nbytes))
-        check = x.to(b).torch()
-        assert torch.equal(check, x.torch())
+            for c in (list(CASES) if r % 2 == 0 else list(CASES)[::-1]):
+                before = b.stats()
+                t0 = time.perf_counter()
+                y = xs[c].to(b, CASES[c][1])
+                y.wait()
+                e2e[c].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                after = b.stats()
+                got = after.bytes_received - before.bytes_received
+                assert got == nbytes, got
+                wire.append(got / (after.recv_seconds - before.recv_seconds) / 1e9)
+                del y
+        for c, (_, dst) in CASES.items():
+            assert torch.equal(xs[c].to(b, dst).torch(), value)
     finally:
         pw.shutdown()
+
+    def ratio(xs):
+        rs = sorted(x / t for x, t in zip(xs, tcp))
+        return {"median": round(median(rs), 3), "min": round(rs[0], 3),
+                "max": round(rs[-1], 3)}
+
     emit({"benchmark": "dcn_bandwidth", "payload_mib": args.mib, "runs": args.runs,
-          "wire_gbps": round(median(wire), 3), "end_to_end_gbps": round(median(e2e), 3),
-          "tcp_gbps": round(median(tcp), 3),
+          "wire_gbps": round(median(wire), 3), "tcp_gbps": round(median(tcp), 3),
           "wire_over_tcp": round(median(wire) / median(tcp), 3),
-          "end_to_end_over_tcp": round(median(e2e) / median(tcp), 3)})
+          "end_to_end_gbps": round(median(e2e["sharded"]), 3),
+          "end_to_end_over_tcp": ratio(e2e["sharded"]),
+          **{f"end_to_end_{c}_gbps": round(median(v), 3) for c, v in e2e.items()
+             if c != "sharded"},
+          **{f"end_to_end_{c}_over_tcp": ratio(v) for c, v in e2e.items() if c != "sharded"}})
 
 
 if __name__ == "__main__":

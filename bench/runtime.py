@@ -9,7 +9,8 @@
   wait and ``Array.torch()`` by three paths: the data plane through /dev/shm (what a
   client on the workers' machine gets), the data plane's socket (``PATHWAYS_SHM=0``:
   what a client on another machine gets), and the old control stream (4 MiB protobuf
-  chunks, forced by raising ``DATA_PLANE_MIN_BYTES``). ``*_over_tcp`` are medians of
+  chunks, forced by raising ``DATA_PLANE_MIN_BYTES``); a replicated tensor, and
+  (``*_sharded``) one split over the 2 devices. ``*_over_tcp`` are medians of
   the per-round ratios, with their range. ``device_put_gbps``/``device_fetch_gbps``:
   torch_xla's own host<->device copies of the same tensor in the executor (the floor
   every path pays).
@@ -68,10 +69,10 @@ def device_copies(nbytes: int, runs: int) -> tuple:
     return float(put), float(fetch)
 
 
-def put_fetch(s, x: torch.Tensor) -> tuple:
+def put_fetch(s, x: torch.Tensor, spec=None) -> tuple:
     nbytes = x.numel() * x.element_size()
     t0 = time.perf_counter()
-    a = pw.put(x, s)
+    a = pw.put(x, s, spec)
     a.wait()
     t1 = time.perf_counter()
     back = a.torch()
@@ -80,10 +81,12 @@ def put_fetch(s, x: torch.Tensor) -> tuple:
     return nbytes / (t1 - t0) / 1e9, nbytes / (t2 - t1) / 1e9
 
 
-PATHS = {
-    "shm": ("1", connection.DATA_PLANE_MIN_BYTES),
-    "socket": ("0", connection.DATA_PLANE_MIN_BYTES),
-    "stream": ("1", 1 << 62),
+PATHS = {   # name: (PATHWAYS_SHM, DATA_PLANE_MIN_BYTES, spec)
+    "shm": ("1", connection.DATA_PLANE_MIN_BYTES, None),
+    "socket": ("0", connection.DATA_PLANE_MIN_BYTES, None),
+    "stream": ("1", 1 << 62, None),
+    "shm_sharded": ("1", connection.DATA_PLANE_MIN_BYTES, pw.P("data")),
+    "stream_sharded": ("1", 1 << 62, pw.P("data")),
 }
 
 
@@ -100,7 +103,7 @@ def main() -> None:
         x = torch.randn(nbytes // 4)
         for r in range(args.runs):
             t0 = time.perf_counter()
-            s = pw.slice((2,))
+            s = pw.slice((2,), axis_names=("data",))
             pw.put(torch.ones(2), s).torch()
             alloc.append((time.perf_counter() - t0) * 1e3)
             if r == 0:
@@ -108,10 +111,10 @@ def main() -> None:
             tcp.append(tcp_gbps(nbytes))
             order = list(PATHS) if r % 2 == 0 else list(reversed(PATHS))
             for path in order:
-                shm, least = PATHS[path]
+                shm, least, spec = PATHS[path]
                 os.environ["PATHWAYS_SHM"] = shm
                 connection.DATA_PLANE_MIN_BYTES = least
-                put, fetch = put_fetch(s, x)
+                put, fetch = put_fetch(s, x, spec)
                 rates[path][0].append(put)
                 rates[path][1].append(fetch)
             os.environ.pop("PATHWAYS_SHM", None)

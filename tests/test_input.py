@@ -66,7 +66,8 @@ def test_put_and_fetch_every_dtype_and_spec(islands, path, dtype):
 
 def test_put_and_fetch_empty_non_contiguous_and_scalars(islands, path):
     s = islands[0]
-    before = s.stats().bytes_received
+    stats = s.stats()
+    before, sent = stats.bytes_received, stats.bytes_sent
     base = torch.randn(64, 48)
     for x in (base.t(), base[::2, 1::3], base[:, :0], torch.zeros(0, 5),
               torch.tensor(3.5), base.expand(2, 64, 48)):
@@ -80,9 +81,13 @@ def test_put_and_fetch_empty_non_contiguous_and_scalars(islands, path):
     a = pw.put(x, s, P("data"))
     x.fill_(0)
     assert torch.equal(a.torch(), keep)
-    # the bytes went by the data plane, or (stream) not
-    got = s.stats().bytes_received - before
-    assert (got >= keep.numel() * 4) if path != "stream" else got == 0, (path, got)
+    # the bytes went by the data plane, or (stream) not, both ways
+    stats = s.stats()
+    got, back = stats.bytes_received - before, stats.bytes_sent - sent
+    if path == "stream":
+        assert got == back == 0
+    else:
+        assert got >= keep.numel() * 4 and back >= keep.numel() * 4, (path, got, back)
 
 
 def test_fetched_tensors_are_the_callers(islands, path):

@@ -61,3 +61,14 @@ def test_two_islands_under_pathways_run():
     s = run(["two_islands.py", "--steps", "3"],
             launcher=["--islands", "2", "--devices-per-host", "2"])
     assert s["dcn_bytes"] > 0
+
+
+def test_train_resnet_on_host_batches_matches_torch():
+    s = run(["train_resnet.py", "--steps", "12"])
+    assert s["early_loss_diff"] < 1e-4 and s["final_loss"] < s["first_loss"]
+
+
+@pytest.mark.slow
+def test_train_resnet_over_two_islands():
+    s = run(["train_resnet.py", "--steps", "4", "--islands", "2"])
+    assert s["islands"] == 2 and s["early_loss_diff"] < 1e-4

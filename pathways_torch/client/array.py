@@ -81,7 +81,8 @@ class Array:
         ``pw.WorkerLostError`` if the worker that holds it (or one it waits on) died.
         """
         self._check_usable()
-        return self._conn.fetch(self._id, seq_of(self._seq), self._what(), timeout)
+        return self._conn.fetch(self._id, seq_of(self._seq), self._what(), timeout,
+                                codec.nbytes(self.dtype, tuple(self.shape)))
 
     def numpy(self, timeout: Optional[float] = None) -> np.ndarray:
         """Block until the value exists and return it as a numpy array."""

@@ -317,9 +317,10 @@ class ExecutorConnection:
                 data=bytes(part), last=last)))
         return bid, seq
 
-    def _plane(self, nbytes: int) -> Optional[dataplane.DataPlane]:
-        """The data plane for ``nbytes`` of bulk data, or None for the control stream."""
-        if not self.data_address or nbytes < DATA_PLANE_MIN_BYTES:
+    def _plane(self, nbytes: Optional[int]) -> Optional[dataplane.DataPlane]:
+        """The data plane for ``nbytes`` of bulk data (None: a size not known), or None
+        for the control stream."""
+        if not self.data_address or (nbytes is not None and nbytes < DATA_PLANE_MIN_BYTES):
             return None
         return _ClientPlane.get()
 
@@ -468,20 +469,23 @@ class ExecutorConnection:
         self._check()
 
     def fetch(self, buffer_id: int, after_seq: int, what: str,
-              timeout: Optional[float] = None):
+              timeout: Optional[float] = None, nbytes: Optional[int] = None):
+        """The buffer as a CPU tensor; ``nbytes`` (its size, where the caller knows
+        it) keeps small fetches on the control stream."""
         rec = tracing.CLIENT
         if not rec.on:
-            return self._fetch(buffer_id, after_seq, what, timeout)
+            return self._fetch(buffer_id, after_seq, what, timeout, nbytes)
         t0 = rec.now()
-        out = self._fetch(buffer_id, after_seq, what, timeout)
+        out = self._fetch(buffer_id, after_seq, what, timeout, nbytes)
         rec.add("fetch", "fetch", t0, buffer_ids=(buffer_id,),
                 nbytes=out.numel() * out.element_size(), detail=self.slice_id)
         return out
 
-    def _fetch(self, buffer_id: int, after_seq: int, what: str, timeout: Optional[float]):
+    def _fetch(self, buffer_id: int, after_seq: int, what: str, timeout: Optional[float],
+               nbytes: Optional[int] = None):
         self._check()
         t = timeout or self.timeout
-        plane = self._plane(DATA_PLANE_MIN_BYTES)
+        plane = self._plane(nbytes)
         if plane is not None:
             return self._pull(plane, buffer_id, after_seq, what, t)
         chunks = self.stub.Fetch(pb.FetchRequest(buffer_id=buffer_id, after_seq=after_seq,

@@ -183,7 +183,8 @@ class MembersConnection:
         self._each(lambda m: m.wait(buffer_ids, after_seq, what, timeout))
 
     def fetch(self, buffer_id: int, after_seq: int, what: str,
-              timeout: Optional[float] = None) -> torch.Tensor:
+              timeout: Optional[float] = None, nbytes: Optional[int] = None
+              ) -> torch.Tensor:
         """Every member's shards, assembled into the whole tensor."""
         self._check()
         t = timeout or self.timeout

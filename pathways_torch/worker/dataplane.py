@@ -472,24 +472,26 @@ class DataPlane:
             raise
         return s
 
-    def send(self, address: str, transfer_id: int, payload: Optional[memoryview],
+    def send(self, address: str, transfer_id: int, payload,
              error: Optional[bytes] = None, same_host: bool = False) -> None:
-        """Send one frame; ``payload`` is the raw bytes (None with ``error``)."""
+        """Send one frame; ``payload`` is the raw bytes, one buffer or a list whose
+        bytes follow each other (None with ``error``)."""
         rec = self.rec
         t0 = rec.now() if rec is not None and rec.on else 0
         if error is not None:
             frames = [HEADER.pack(MAGIC, transfer_id, FLAG_ERROR, 0, len(error)), error]
             nbytes, how = 0, "error frame"
         else:
-            nbytes = len(payload)
-            path = self._try_shm(transfer_id, payload) if same_host and nbytes and \
+            views = payload if isinstance(payload, list) else [payload]
+            nbytes = sum(len(v) for v in views)
+            path = self._try_shm(transfer_id, views) if same_host and nbytes and \
                 SHM_DIR is not None else ""
             if path:
                 aux = path.encode()
                 frames = [HEADER.pack(MAGIC, transfer_id, FLAG_SHM, nbytes, len(aux)), aux]
                 how = "shared memory"
             else:
-                frames = [HEADER.pack(MAGIC, transfer_id, 0, nbytes, 0), payload]
+                frames = [HEADER.pack(MAGIC, transfer_id, 0, nbytes, 0)] + views
                 how = "socket"
         sock, lock = self._conn(address)
         try:

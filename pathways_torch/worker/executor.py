@@ -959,7 +959,7 @@ class ExecutorService(_make_servicer_base()):
         self.dataplane.send_async(self._send_now, entry, op, held)
 
     def _send_now(self, entry, op, held=None) -> None:
-        payload, error = None, None
+        payload, error, reading = None, None, False
         rec = self.rec
         t0 = rec.now() if rec.on else 0
         try:
@@ -977,32 +977,33 @@ class ExecutorService(_make_servicer_base()):
                 error = self._err("donated", "the buffer to send was donated to a "
                                   "program").SerializeToString()
             else:
-                try:
-                    cpu = entry.tensor.cpu().contiguous()
-                finally:
-                    self.store.end_read(entry)
+                reading = True      # until sent: the payload may view device memory
                 if op.blocks:       # a piece of a move to a slice that spans hosts
+                    cpu = entry.tensor.cpu().contiguous()
                     validate.check_blocks(op.blocks, tuple(cpu.shape), "send")
-                    payload = memoryview(b"".join(
+                    payload = [codec.byte_view(
                         cpu[tuple(slice(s, s + n) for s, n in zip(b.start, b.shape))]
-                        .contiguous().reshape(-1).view(self.torch.uint8).numpy().tobytes()
-                        for b in op.blocks))
+                        .contiguous()) for b in op.blocks]
                 else:
-                    payload = memoryview(cpu.reshape(-1).view(self.torch.uint8).numpy())
+                    payload = [codec.byte_view(p) for p in self._host_parts(entry.tensor)]
         except Exception as e:
             what = f"program '{entry.origin}'" if entry.origin else "a transfer"
             error = self._err("program", f"{what} failed on {self.where}: {e}",
                               entry.origin).SerializeToString()
+            payload = None
         if t0:
             rec.add("transfer", "read for send", t0, program=entry.origin,
                     buffer_ids=(op.buffer_id,), transfer_id=op.transfer_id,
-                    nbytes=len(payload) if payload is not None else 0,
+                    nbytes=sum(map(len, payload)) if payload is not None else 0,
                     detail="waits for the producer, then device to host")
         try:
-            self.dataplane.send(op.dst_data_address, op.transfer_id, payload, error,
-                                op.same_host)
+            self.dataplane.send(op.dst_data_address, op.transfer_id,
+                                payload if error is None else None, error, op.same_host)
         except OSError as e:
             log.error("transfer %d to %s failed: %s", op.transfer_id, op.dst_data_address, e)
+        finally:
+            if reading:
+                self.store.end_read(entry)
 
     def _compile(self, req):
         import torch_xla.core.xla_builder as xb
