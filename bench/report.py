@@ -27,6 +27,9 @@ BAR = {
     "spmd_parity": 0.95,
     "pipeline": 0.8,
     "two_islands": 0.9,
+    "bulk_over_tcp": 0.7,                 # issue 15: puts and fetches
+    "move_over_tcp": 0.6,                 # issue 15: island to island, end to end
+    "host2_over_client": 2.0,             # issue 15: two hosts feeding vs client puts
 }
 # Issue 12, part 5 (bench/scale.py carries them too, with its verdicts).
 BARS_SCALE = {"register_s": 3.0, "idle_cpu_core": 0.10, "alloc_p50_ms": 3.0,
@@ -49,6 +52,18 @@ def num(x, digits=None) -> str:
 
 def ratio(x) -> str:
     return "–" if x is None else f"{x:.2f}"
+
+
+def med(x):
+    """The median of a ``{"median", "min", "max"}`` ratio (or a plain number)."""
+    return x.get("median") if isinstance(x, dict) else x
+
+
+def spread(x) -> str:
+    """A ratio with its range: ``0.48 (0.38-0.51)``."""
+    if not isinstance(x, dict):
+        return ratio(x)
+    return f"{ratio(x.get('median'))} ({ratio(x.get('min'))}-{ratio(x.get('max'))})"
 
 
 def met(value, bar, higher_is_better=True) -> str:
@@ -486,15 +501,22 @@ def dcn(rep: Report) -> None:
              "1.00"],
             ["data plane, on the wire (receiver: first header byte to last payload byte)",
              num(res.get("wire_gbps"), 2), f"**{ratio(res.get('wire_over_tcp'))}**"],
-            ["`x.to(other_island)`, end to end (device buffer to device buffer)",
-             num(res.get("end_to_end_gbps"), 2), ratio(res.get("end_to_end_over_tcp"))]]
+            ["`x.to(other_island)`, end to end (device buffer to device buffer), sharded",
+             num(res.get("end_to_end_gbps"), 2), spread(res.get("end_to_end_over_tcp"))],
+            ["... replicated at both ends", num(res.get("end_to_end_replicated_gbps"), 2),
+             spread(res.get("end_to_end_replicated_over_tcp"))],
+            ["... resharded on the way (split -> replicated)",
+             num(res.get("end_to_end_resharded_gbps"), 2),
+             spread(res.get("end_to_end_resharded_over_tcp"))]]
     rep.add(f"{res.get('payload_mib')} MiB of float32, sharded on 2 devices at both ends, "
             f"medians of {res.get('runs')} runs ({source(res, 'dcn.py')}).\n",
             table(["path", "GB/s", "vs raw TCP"], rows) + "\n",
             f"Bar (issue): on the wire at least {BAR['wire_over_tcp']}x raw TCP: "
             f"{met(res.get('wire_over_tcp'), BAR['wire_over_tcp'])}. End to end also "
             "counts reading the sharded source off the device and writing the destination, "
-            "which on CPU XLA are copies of their own.\n")
+            "which on CPU XLA are copies of their own; bar (issue 15) "
+            f"{BAR['move_over_tcp']}x raw TCP end to end: "
+            f"{met(med(res.get('end_to_end_over_tcp')), BAR['move_over_tcp'])}.\n")
     rep.headlines.append(("DCN data plane vs raw TCP (GB/s on the wire)",
                           ratio(res.get("wire_over_tcp")), f"≥ {BAR['wire_over_tcp']}",
                           met(res.get("wire_over_tcp"), BAR["wire_over_tcp"])))
@@ -529,16 +551,87 @@ def runtime(rep: Report) -> None:
              f"{num(res.get('cold_process_s'), 2)} s",
              num(res["cold_process_s"] * 1e3 / res["slice_alloc_ms"], 0)
              + "x faster" if res.get("slice_alloc_ms") and res.get("cold_process_s")
-             else "–"],
-            [f"put {res.get('payload_mib')} MiB through the client",
-             f"{num(res.get('put_gbps'), 2)} GB/s", "raw TCP",
-             f"{num(res.get('tcp_gbps'), 2)} GB/s", ratio(res.get("put_over_tcp"))],
-            [f"fetch {res.get('payload_mib')} MiB through the client",
-             f"{num(res.get('fetch_gbps'), 2)} GB/s", "raw TCP",
-             f"{num(res.get('tcp_gbps'), 2)} GB/s", ratio(res.get("fetch_over_tcp"))]]
+             else "–"]]
     rep.add(f"Medians of {res.get('runs')} runs ({source(res, 'runtime.py')}).\n",
             table(["what", "pathways_torch", "baseline", "baseline value", "ratio"], rows)
             + "\n")
+
+
+def bulk(rep: Report) -> None:
+    rep.add("## Bulk data: puts, fetches and input pipelines\n",
+            "Paper: a single controller must keep bulk data off the client; input "
+            "pipelines run on the hosts that own the devices (docs/architecture.md, "
+            "Decision 19).\n")
+    res = rep.get("runtime.py")
+    if res is not None:
+        mib = res.get("payload_mib")
+        rows = []
+        for what, key in (("data plane via /dev/shm (client on the workers' machine)", ""),
+                          ("data plane socket (`PATHWAYS_SHM=0`: a remote client)",
+                           "_socket"),
+                          ("control stream (before: 4 MiB protobuf chunks)", "_stream"),
+                          ("data plane via /dev/shm, split over the 2 devices",
+                           "_shm_sharded"),
+                          ("control stream, split over the 2 devices", "_stream_sharded")):
+            rows.append([what, num(res.get(f"put{key}_gbps"), 2),
+                         spread(res.get(f"put{key}_over_tcp")),
+                         num(res.get(f"fetch{key}_gbps"), 2),
+                         spread(res.get(f"fetch{key}_over_tcp"))])
+        tcp = res.get("tcp_gbps")
+        rows.append(["torch_xla's own host<->device copies in an executor (the floor)",
+                     num(res.get("device_put_gbps"), 2),
+                     ratio((res.get("device_put_gbps") or 0) / tcp if tcp else None),
+                     num(res.get("device_fetch_gbps"), 2),
+                     ratio((res.get("device_fetch_gbps") or 0) / tcp if tcp else None)])
+        rep.add(f"{mib} MiB of float32, client <-> a 2-device slice, each path in turn "
+                f"in every round beside raw TCP on loopback ({num(tcp, 2)} GB/s); medians "
+                f"of {res.get('runs')} rounds and of the per-round ratios, with their "
+                f"range ({source(res, 'runtime.py')}).\n",
+                table(["path", "put GB/s", "put / TCP", "fetch GB/s", "fetch / TCP"], rows)
+                + "\n",
+                f"Bar (issue 15): put and fetch at least {BAR['bulk_over_tcp']}x raw TCP: "
+                f"put {met(med(res.get('put_over_tcp')), BAR['bulk_over_tcp'])}, fetch of "
+                f"a replicated buffer {met(med(res.get('fetch_over_tcp')), BAR['bulk_over_tcp'])}"
+                f" (torch_xla reads it off the 2 devices at "
+                f"{num(res.get('device_fetch_gbps'), 2)} GB/s: the fetch is that copy plus "
+                f"little), of a sharded one "
+                f"{met(med(res.get('fetch_shm_sharded_over_tcp')), BAR['bulk_over_tcp'])}.\n")
+        rep.headlines.append(("put through the client vs raw TCP",
+                              ratio(med(res.get("put_over_tcp"))),
+                              f"≥ {BAR['bulk_over_tcp']}",
+                              met(med(res.get("put_over_tcp")), BAR["bulk_over_tcp"])))
+        rep.headlines.append(("fetch (replicated) through the client vs raw TCP",
+                              ratio(med(res.get("fetch_over_tcp"))),
+                              f"≥ {BAR['bulk_over_tcp']}",
+                              met(med(res.get("fetch_over_tcp")), BAR["bulk_over_tcp"])))
+    res = rep.get("input.py")
+    if res is None:
+        return
+    rows = [[what, num(res.get(f"{w}_samples_per_s")),
+             spread(res.get(f"{w}_over_client")) if w != "client" else "1.00",
+             num(res.get(f"{w}_client_cpu_ms_per_batch"), 2)]
+            for what, w in (("client loads (torch DataLoader) and puts every batch",
+                             "client"),
+                            ("`pw.DataLoader` on 1 host (DataParallel)", "host1"),
+                            ("`pw.DataLoader` on 2 hosts (MultiIsland, a half each)",
+                             "host2"))]
+    rep.add(f"Feeding a tiny model ({res.get('batch')} images of 3x{res.get('image')}x"
+            f"{res.get('image')} float32 a step, {res.get('workers')} loader worker "
+            f"process(es) each way; {res.get('rounds')} interleaved rounds of "
+            f"{res.get('steps')} steps; {source(res, 'input.py')}). The two \"hosts\" "
+            "are processes on this machine's 2 cores, shared with the client.\n",
+            table(["who feeds", "samples/s", "vs client", "client CPU ms / batch"], rows)
+            + "\n",
+            f"Bar (issue 15): 2 hosts feeding at least {BAR['host2_over_client']}x the "
+            f"client path: {met(med(res.get('host2_over_client')), BAR['host2_over_client'])}"
+            " here, where the hosts and the client share two cores; the client's own CPU "
+            "per batch, which is what limits one client feeding a pod, drops by "
+            f"{num((res.get('client_client_cpu_ms_per_batch') or 0) / max(res.get('host1_client_cpu_ms_per_batch') or 1e-9, 1e-9), 0)}x"
+            " with the host loader.\n")
+    rep.headlines.append(("host input pipeline (2 hosts) vs client puts, samples/s",
+                          ratio(med(res.get("host2_over_client"))),
+                          f"≥ {BAR['host2_over_client']}",
+                          met(med(res.get("host2_over_client")), BAR["host2_over_client"])))
 
 
 def ray_section(rep: Report) -> None:
@@ -981,7 +1074,7 @@ def spanning(rep: Report) -> None:
 def render(results: dict):
     """The report's markdown and the names of the plots written for it."""
     rep = Report(results)
-    for section in (fig5, fig6, fig7, fig9, training, dcn, ray_section, runtime, soak,
+    for section in (fig5, fig6, fig7, fig9, training, dcn, bulk, ray_section, runtime, soak,
                     faults, scale, spanning, slurm):
         section(rep)
     meta = results.get("_meta", {})

@@ -31,7 +31,10 @@ RESULTS = HERE / "results.json"
 # run stays well under 20 minutes on 2 cores.
 BENCHES = [
     ("dispatch.py", ["--runs", "5", "--steps", "1000"], ["--runs", "2", "--steps", "200"]),
-    ("runtime.py", ["--runs", "3", "--mib", "64"], ["--runs", "1", "--mib", "16"]),
+    ("runtime.py", ["--runs", "5", "--mib", "64"], ["--runs", "1", "--mib", "16"]),
+    # Feeding a trainer: client puts against pw.DataLoader on 1 and 2 hosts (~40 s).
+    ("input.py", ["--rounds", "5", "--steps", "60", "--image", "128"],
+     ["--rounds", "1", "--steps", "10", "--image", "32"]),
     ("fig5_dispatch_overhead.py", ["--runs", "5", "--steps", "1024"],
      ["--runs", "2", "--steps", "256", "--no-ray"]),
     ("fig6_computation_size.py", ["--runs", "5"],
