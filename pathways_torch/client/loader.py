@@ -16,8 +16,11 @@ Where a batch goes:
   microbatches (Pipeline). The loader follows the Trainer's slices after
   ``fit(max_restarts=)`` replaced them.
 
-The order of an epoch is a seeded permutation of every index (``shuffle=True``), the
-same wherever it is computed, so the batches do not depend on how many hosts load them.
+The order of epoch ``e`` is ``torch.randperm(len(dataset), generator=torch.Generator()
+.manual_seed(seed * 1_000_003 + e))`` (``shuffle=True``; else ``0..len-1``), the same
+wherever it is computed, so the batches do not depend on how many hosts load them, and
+batch ``i`` is positions ``i * batch_size`` to ``(i + 1) * batch_size`` of that order:
+what torch's DataLoader gives with that order as its sampler.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import random
 from typing import Any, Dict, List, Optional
 
 import grpc
-import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import DataLoaderError, PlacementError, ShardingError
