@@ -195,7 +195,7 @@ def test_training_on_host_batches_matches_torch(islands, strategy):
     (tolerance 1e-5: the same float32 math, reduced in another order)."""
     model, ref = make(), make()
     ref.load_state_dict(model.state_dict())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if strategy == "dp":
         kw = dict(slice=islands[0], parallelism=pw.DataParallel("data"))
     elif strategy == "fsdp":
@@ -208,7 +208,7 @@ def test_training_on_host_batches_matches_torch(islands, strategy):
     loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 48}, batch_size=16,
                            slice=trainer, shuffle=True, seed=2)
     got = [float(trainer.step(x, y)) for x, y in loader]
-    want = torch_losses(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+    want = torch_losses(ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9),
                         reference(48, 16, seed=2, epoch=0))
     assert len(got) == 3
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)

@@ -149,6 +149,52 @@ def test_multi_island_over_slices_that_span_hosts_matches_plain_torch(wide):
         other.release()
 
 
+def _reference_batches(n, batch_size, seed, epoch=0):
+    import loader_data
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(
+        seed * 1_000_003 + epoch)).tolist()
+    return list(torch.utils.data.DataLoader(loader_data.Rows(n=n), batch_size=batch_size,
+                                            sampler=order))
+
+
+@pytest.mark.parametrize("axis", ["data", "model", None])
+def test_each_host_loads_its_own_rows_of_host_batches(wide, axis):
+    """pw.DataLoader over a slice that spans hosts: each host loads the rows its own
+    devices hold ("data" crosses hosts: half each; "model" and replicated: all), and
+    the Arrays are torch's batches."""
+    loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 32}, batch_size=8,
+                           slice=wide, spec=P(axis) if axis else None, shuffle=True,
+                           seed=6)
+    for (x, y), (rx, ry) in zip(loader, _reference_batches(32, 8, 6), strict=True):
+        assert x.slice is wide and torch.equal(x.torch(), rx) and torch.equal(y.torch(), ry)
+
+
+def test_training_on_host_batches_over_two_hosts_matches_torch(cluster, wide):
+    other = pw.slice((2, 2), axis_names=("data", "model"), island=1)
+    try:
+        model, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+        ref.load_state_dict(model.state_dict())
+        want = []
+        opt = torch.optim.SGD(ref.parameters(), lr=1e-3, momentum=0.9)
+        for x, y in _reference_batches(32, 8, 2):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ref(x), y)
+            loss.backward()
+            opt.step()
+            want.append(loss.item())
+        tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+                        torch.nn.functional.mse_loss,
+                        parallelism=pw.MultiIsland([wide, other], axis="data"))
+        loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 32}, batch_size=8,
+                               slice=tr, shuffle=True, seed=2)
+        got = [float(tr.step(x, y)) for x, y in loader]
+        assert len(got) == 4
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {k}: pathways {a} torch {b}"
+    finally:
+        other.release()
+
+
 @pytest.mark.parametrize("there,back", [(P("d"), P(None, "model")), (P(), P("data")),
                                         (P(None, "d"), P(("data", "model")))])
 def test_moves_to_and_from_a_one_host_slice_reshard_host_to_host(wide, there, back):

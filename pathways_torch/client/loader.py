@@ -32,10 +32,10 @@ from typing import Any, Dict, List, Optional
 import grpc
 from torch.utils import _pytree as pytree
 
-from ..errors import DataLoaderError, PlacementError, ShardingError
+from ..errors import DataLoaderError, ShardingError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
-from ..sharding import P, as_spec
+from ..sharding import P, as_spec, member_blocks
 from . import runtime
 from .array import Array
 
@@ -169,24 +169,27 @@ class DataLoader:
         for t in targets:
             s = t.slice
             runtime.check_alive(s)
-            if s.spans_hosts:
-                raise PlacementError(f"pw.DataLoader: {s!r} spans hosts; host loaders run "
-                                     "on slices of one host for now (MultiIsland: one "
-                                     "slice per island)")
             msg = pb.LoaderSpec()
             msg.CopyFrom(sp)
             msg.parts, msg.axis = t.parts, t.axis or ""
             msg.mine.extend(t.mine)
             msg.leaves.extend(t.items)
-            conn = s._conn
-            try:
-                t.info = conn.stub.OpenLoader(msg, timeout=conn.timeout)
-            except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
-                                grpc.StatusCode.INVALID_ARGUMENT):
-                    raise DataLoaderError(f"pw.DataLoader({sp.dataset!r}): {e.details()}",
-                                          host=conn.where) from None
-                raise conn._rpc_error(e, f"opening pw.DataLoader({sp.dataset!r})") from None
+            for conn, subs in zip(s._conn.parts(), _host_rows(s, t.axis)):
+                # a slice that spans hosts: each host loads its own devices' rows
+                one = pb.LoaderSpec()
+                one.CopyFrom(msg)
+                if s.spans_hosts and t.axis:
+                    one.sub = s.axis_size(t.axis)
+                    one.sub_mine.extend(subs)
+                try:
+                    t.info = conn.stub.OpenLoader(one, timeout=conn.timeout)
+                except grpc.RpcError as e:
+                    if e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                                    grpc.StatusCode.INVALID_ARGUMENT):
+                        raise DataLoaderError(f"pw.DataLoader({sp.dataset!r}): "
+                                              f"{e.details()}", host=conn.where) from None
+                    raise conn._rpc_error(e, f"opening pw.DataLoader({sp.dataset!r})") \
+                        from None
         info = targets[0].info
         self._length = info.length
         self._tree = pytree.treespec_loads(info.treespec)
@@ -303,3 +306,17 @@ class DataLoader:
         sp = self._spec
         return (f"pw.DataLoader({sp.dataset!r}, batch_size={sp.batch_size}, "
                 f"{len(self)} batches an epoch, at epoch {self.epoch} batch {self.index})")
+
+
+def _host_rows(s, axis: Optional[str]) -> List[List[int]]:
+    """Per host of ``s``: which of the ``axis``-size row blocks its devices hold (in
+    the order its member lays them out); one host: all of them, as one block."""
+    if not s.spans_hosts or not axis:
+        return [[0]] * len(s._conn.parts())
+    n = s.axis_size(axis)
+    out = []
+    for k in range(len(s.hosts)):
+        blocks, _ = member_blocks((n,), P(axis), s.axis_names, s.mesh_shape, k,
+                                  len(s.hosts))
+        out.append([b[0][0] for b in blocks])
+    return out

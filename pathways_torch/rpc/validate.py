@@ -691,3 +691,7 @@ def check_loader(spec, axis_names) -> None:
                    f"{tuple(axis_names)}")
     if any(k < 0 for k in spec.leaves):
         raise _bad("a loader's kept items must be non-negative positions")
+    if spec.sub < 0 or spec.sub > 1 << 20 or any(not 0 <= k < max(spec.sub, 1)
+                                                 for k in spec.sub_mine):
+        raise _bad(f"a loader's sub-blocks {list(spec.sub_mine)} are not among "
+                   f"0..{max(spec.sub, 1) - 1}")

@@ -513,43 +513,19 @@ class ExecutorService(_make_servicer_base()):
     def OpenLoader(self, request, context):
         """Build a pw.DataLoader's dataset here and say what its batches look like."""
         self._authorize(context)
-        import grpc
-        from .loader import HostLoader, LoaderError
-        try:
-            validate.check_loader(request, self.axis_names)
-        except validate.InvalidMessage as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
-            loader = HostLoader(request, self.where, self._loader_put)
-            tree, samples, items = loader.describe()
-        except LoaderError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        old = self.loaders.pop(request.loader_id, None)
-        if old is not None:
-            old.close()
-        self.loaders[request.loader_id] = loader
-        reply = self.pb.LoaderInfo(length=loader.length, treespec=tree, leaf_items=items)
-        for dtype, shape in samples:
-            reply.samples.add(dtype=dtype, shape=list(shape))
-        return reply
+        from .loader import open_loader
+        return open_loader(self, request, context, self._loader_put)
 
-    def _loader_put(self, cpu, axis: str):
+    def _loader_put(self, blocks: dict, axis: str, rows: int):
+        """A loaded part of a batch (one slice of one host: one block) on the devices."""
+        (cpu,) = blocks.values()
         spec = P(axis) if axis and cpu.dim() else P()
         return self._to_device(cpu, spec), self._shards(spec)
 
     def _batch(self, op) -> None:
         """A BatchOp: bind the loader's batch (epoch, index) to the op's buffer ids."""
-        loader = self.loaders.get(op.loader_id)
-        if loader is None:
-            b = None
-            err = self._err("data", f"loader {op.loader_id} is not open on {self.where}")
-        else:
-            b = loader.take(op.epoch, op.index, self.transfer_timeout)
-            err = self._err("data", b.error) if b.error else None
-        placed = [x for part in b.tensors for x in part] if err is None else []
-        if err is None and len(placed) != len(op.outputs):
-            err = self._err("data", f"the loader made {len(placed)} buffers for batch "
-                            f"{op.index}, the client asked for {len(op.outputs)}")
+        from .loader import take_batch
+        placed, err = take_batch(self, op, self.transfer_timeout)
         for k, bid in enumerate(op.outputs):
             if err is not None:
                 self.store.put(bid, Entry(error=err))

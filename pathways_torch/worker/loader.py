@@ -90,7 +90,8 @@ class HostLoader:
     def __init__(self, spec, where: str, to_device: Callable) -> None:
         self.spec = spec
         self.where = where
-        self._to_device = to_device           # (cpu tensor, spec of the leaf) -> buffer
+        # ({sub-block: cpu rows}, batch axis, the part's rows) -> (buffer, shards)
+        self._to_device = to_device
         kwargs = json.loads(spec.dataset_kwargs_json or "{}")
         factory = import_named(spec.dataset, "the dataset factory")
         try:
@@ -175,15 +176,23 @@ class HostLoader:
         with self._lock:
             self._halt()
 
-    def _indices(self, epoch: int, index: int, perm: torch.Tensor) -> List[int]:
-        """This slice's indices of batch ``index``: its parts' rows, in order."""
+    def _subs(self) -> Tuple[int, List[int]]:
         sp = self.spec
+        return (sp.sub, list(sp.sub_mine)) if sp.sub > 1 else (1, [0])
+
+    def _indices(self, epoch: int, index: int, perm: torch.Tensor) -> List[int]:
+        """This host's indices of batch ``index``: of each of its parts, its
+        sub-blocks' rows, in order."""
+        sp = self.spec
+        sub, subs = self._subs()
         start, stop = batch_rows(self.length, sp.batch_size, sp.drop_last, index)
         order = perm[start:stop].tolist()
         out: List[int] = []
         for k in sp.mine:
             a, b = part_rows(len(order), sp.parts, k)
-            out.extend(order[a:b])
+            for s in subs:
+                c, d = part_rows(b - a, sub, s)
+                out.extend(order[a + c:a + d])
         return out
 
     def _run(self, epoch: int, index: int, stop: threading.Event, ready: "queue.Queue"):
@@ -249,11 +258,18 @@ class HostLoader:
                     f"loader's first samples gave {[(d, ['batch', *s]) for d, s in self.samples]}"
                     ": every batch must have the same structure, dtypes and per-sample "
                     "shapes (pad or crop in the dataset or collate_fn)"))
-            parts = []
-            for p in range(len(sp.mine)):
-                a, b = part_rows(rows, len(sp.mine), p)
-                parts.append([self._to_device(leaves[j][a:b].contiguous(), sp.axis)
-                              for j in keep])
+            sub, subs = self._subs()
+            step = rows // (len(sp.mine) * len(subs))     # rows of one sub-block
+            parts, at = [], 0
+            for _ in sp.mine:
+                blocks = {}
+                for s in subs:
+                    blocks[s] = at
+                    at += step
+                # each leaf of the part: {sub-block: its rows}, and the part's rows
+                parts.append([self._to_device(
+                    {s: leaves[j][a:a + step].contiguous() for s, a in blocks.items()},
+                    sp.axis, step * sub) for j in keep])
             return _Batch(epoch, index, parts)
         except Exception as e:
             return _Batch(epoch, index, error=f"placing batch {index} of epoch {epoch} on "
@@ -318,3 +334,45 @@ def _leaf_items(batch) -> List[int]:
             out.extend([k] * len(pytree.tree_leaves(item)))
         return out
     return [0] * len(pytree.tree_leaves(batch))
+
+
+def open_loader(service, request, context, to_device) -> None:
+    """The OpenLoader RPC of an executor or a member (``service``): build the loader
+    here, keep it in ``service.loaders``, answer with its batches' structure."""
+    import grpc
+    from ..rpc import validate
+    try:
+        validate.check_loader(request, service.axis_names)
+    except validate.InvalidMessage as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    try:
+        loader = HostLoader(request, service.where, to_device)
+        tree, samples, items = loader.describe()
+    except LoaderError as e:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    old = service.loaders.pop(request.loader_id, None)
+    if old is not None:
+        old.close()
+    service.loaders[request.loader_id] = loader
+    reply = service.pb.LoaderInfo(length=loader.length, treespec=tree, leaf_items=items)
+    for dtype, shape in samples:
+        reply.samples.add(dtype=dtype, shape=list(shape))
+    return reply
+
+
+def take_batch(service, op, timeout: float):
+    """A BatchOp on ``service``: (the placed buffers, in the op's order, or None;
+    the BufferError that fails every output instead, or None)."""
+    loader = service.loaders.get(op.loader_id)
+    if loader is None:
+        return None, service._err("data", f"loader {op.loader_id} is not open on "
+                                  f"{service.where}")
+    b = loader.take(op.epoch, op.index, timeout)
+    if b.error:
+        return None, service._err("data", b.error)
+    placed = [x for part in b.tensors for x in part]
+    if len(placed) != len(op.outputs):
+        return None, service._err("data", f"the loader made {len(placed)} buffers for "
+                                  f"batch {op.index}, the client asked for "
+                                  f"{len(op.outputs)}")
+    return placed, None

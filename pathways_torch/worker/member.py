@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import tracing
 from ..rpc import validate
-from ..sharding import member_blocks, spec_from_proto, spec_to_proto
+from ..sharding import P, member_blocks, spec_from_proto, spec_to_proto
 
 log = logging.getLogger("pathways.member")
 
@@ -121,6 +121,7 @@ class MemberService(_make_servicer_base()):
         self.transfer_timeout = 600.0
         self.process_name = (f"executor {self.where} slice {self.slice_id} member "
                              f"{self.member}/{self.members}")
+        self.loaders: dict = {}         # loader id -> worker.loader.HostLoader
         threading.Thread(target=self._loop, name="member", daemon=True).start()
 
     # ------------------------------------------------------------------ start-up
@@ -585,9 +586,45 @@ class MemberService(_make_servicer_base()):
             self._save(op.save)
         elif which == "load":
             self._load(op.load)
+        elif which == "batch":
+            self._batch(op.batch)
         else:
             self._fail(validate.op_outputs(op), self._err(
                 "program", f"a {which} op is not done on a slice that spans hosts"))
+
+    # ------------------------------------------------------------------ pw.DataLoader
+    def OpenLoader(self, request, context):
+        """This host's loader of a pw.DataLoader: it loads its own devices' rows."""
+        import grpc
+        self._authorize(context)
+        if not self._met.wait(self.transfer_timeout) or self._meet_error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the hosts of slice "
+                          f"{self.slice_id} did not meet: {self._meet_error}")
+        from .loader import open_loader
+        return open_loader(self, request, context, self._loader_put)
+
+    def _loader_put(self, blocks: dict, axis: str, rows: int):
+        """This host's rows of a part of a batch ({sub-block: rows}) as the slice's
+        global array of ``rows`` rows, split over ``axis``."""
+        from ..rpc import codec
+        first = next(iter(blocks.values()))
+        dtype = np_dtype(codec.dtype_name(first.dtype))
+        shape = (rows,) + tuple(first.shape[1:])
+        spec = P(axis) if axis else P()
+        mine, _ = member_blocks(shape, spec, self.axis_names, self.mesh_shape,
+                                self.member, self.members)
+        step = rows // (dict(zip(self.axis_names, self.mesh_shape))[axis] if axis else 1)
+        values = [_to_numpy(blocks[blk[0][0] // step], dtype) for blk in mine]
+        return self._global(shape, spec, values), sum(v.nbytes for v in values)
+
+    def _batch(self, op) -> None:
+        from .loader import take_batch
+        placed, err = take_batch(self, op, self.transfer_timeout)
+        if err is not None:
+            self._fail(op.outputs, err)
+            return
+        for bid, (array, nbytes) in zip(op.outputs, placed):
+            self._put_buf(bid, _Buf(array, None, nbytes))
 
     def _watch(self, index: int) -> None:
         """A completion watermark covering every op before this one."""
