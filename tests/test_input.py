@@ -284,3 +284,21 @@ def test_colocated_runs_on_the_host_and_returns_arrays_and_values(islands):
     with pytest.raises(TypeError, match="pickled"):
         pw.colocated(loader_data.boom)
     assert torch.equal(pw.put(y, s).torch(), y)
+
+
+def test_a_dropped_loader_stops_on_the_host(islands):
+    """Dropping a loader (or close()) stops its prefetcher and DataLoader workers."""
+    import gc
+    from procs import descendants, wait_gone
+    s = islands[1]
+    executor = s.stats().pid
+    before = set(descendants(executor))
+    loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 64}, batch_size=8,
+                           slice=s, spec=P("data"), num_workers=1)
+    next(iter(loader))[0].torch()
+    workers = set(descendants(executor)) - before
+    assert workers, "the host's DataLoader has a worker process"
+    del loader
+    gc.collect()
+    s.stats()                       # the close is in the stream before this barrier
+    assert wait_gone(list(workers)) == []

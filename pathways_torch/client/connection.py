@@ -47,6 +47,16 @@ from ..worker import dataplane
 from . import graph as graph_mod
 
 _CLOSE = object()
+
+
+class _CloseLoader:
+    """Queued by a dropped pw.DataLoader: travels in a ReleaseOp (which, like every
+    release, takes no sequence number), in its place in the order."""
+
+    __slots__ = ("loader_id",)
+
+    def __init__(self, loader_id: int) -> None:
+        self.loader_id = loader_id
 _MAX_BATCH_OPS = 512
 _MAX_BATCH_BYTES = 8 << 20
 # Puts and fetches of at least this many bytes use the data plane; smaller ones ride
@@ -282,6 +292,11 @@ class ExecutorConnection:
         """The executor connections behind this one (itself; see client/members.py)."""
         return [self]
 
+    def close_loader(self, loader_id: int) -> None:
+        """Called when a pw.DataLoader is dropped (a finalizer, like ``release``)."""
+        if not self.closed:
+            self._q.put(_CloseLoader(loader_id))
+
     def release(self, buffer_id: int) -> None:
         """Called from Array finalizers; SimpleQueue.put is safe there (reentrant)."""
         if not self.closed:
@@ -335,6 +350,7 @@ class ExecutorConnection:
             item = q.get()
             ops: List[pb.Op] = []
             releases: List[int] = []
+            loaders: List[int] = []
             size, done = 0, False
             while True:
                 if item is _CLOSE:
@@ -342,10 +358,13 @@ class ExecutorConnection:
                     break
                 if isinstance(item, int):
                     releases.append(item)
+                elif isinstance(item, _CloseLoader):
+                    loaders.append(item.loader_id)
                 else:
-                    if releases:
-                        ops.append(pb.Op(release=pb.ReleaseOp(buffer_ids=releases)))
-                        releases = []
+                    if releases or loaders:
+                        ops.append(pb.Op(release=pb.ReleaseOp(buffer_ids=releases,
+                                                              loader_ids=loaders)))
+                        releases, loaders = [], []
                     ops.append(item)
                     if item.HasField("put"):
                         size += item.ByteSize()
@@ -355,8 +374,9 @@ class ExecutorConnection:
                     item = q.get_nowait()
                 except queue.Empty:
                     break
-            if releases:
-                ops.append(pb.Op(release=pb.ReleaseOp(buffer_ids=releases)))
+            if releases or loaders:
+                ops.append(pb.Op(release=pb.ReleaseOp(buffer_ids=releases,
+                                                      loader_ids=loaders)))
             if ops:
                 yield pb.OpBatch(ops=ops)
             if done:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import random
+import weakref
 from typing import Any, Dict, List, Optional
 
 import grpc
@@ -126,6 +127,7 @@ class DataLoader:
         self._items: List[int] = []
         self._samples: List[tuple] = []
         self.epoch, self.index = 0, 0   # the next batch: index ``index`` of ``epoch``
+        self._closer = None
         self._open()
 
     # ------------------------------------------------------------------ placement
@@ -198,6 +200,11 @@ class DataLoader:
                          for m in info.samples]
         self._targets = targets
         self._bound = self._current_slices()
+        # dropping the loader (or opening it again elsewhere) closes it on those hosts
+        conns = [t.slice._conn for t in targets]
+        if self._closer is not None:
+            self._closer()
+        self._closer = weakref.finalize(self, _close_on, conns, sp.loader_id)
         self._check_sizes()
 
     def _check_sizes(self) -> None:
@@ -302,10 +309,21 @@ class DataLoader:
                              "; build the loader as it was built when saved")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
+    def close(self) -> None:
+        """Stop the hosts' loaders now (their prefetched batches and worker processes);
+        dropping the loader does the same."""
+        if self._closer is not None:
+            self._closer()
+
     def __repr__(self) -> str:
         sp = self._spec
         return (f"pw.DataLoader({sp.dataset!r}, batch_size={sp.batch_size}, "
                 f"{len(self)} batches an epoch, at epoch {self.epoch} batch {self.index})")
+
+
+def _close_on(conns, loader_id: int) -> None:
+    for conn in conns:
+        conn.close_loader(loader_id)
 
 
 def _host_rows(s, axis: Optional[str]) -> List[List[int]]:

@@ -148,6 +148,10 @@ class MembersConnection:
         for m in self.members:
             m.release(buffer_id)
 
+    def close_loader(self, loader_id: int) -> None:
+        for m in self.members:
+            m.close_loader(loader_id)
+
     def put(self, tensor: torch.Tensor, spec_msg: pb.Spec):
         """Send each member its own shards of ``tensor``; returns (buffer id, seq)."""
         bid = self.new_id()

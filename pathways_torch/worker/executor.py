@@ -631,6 +631,9 @@ class ExecutorService(_make_servicer_base()):
             self._put(op.put)
         elif which == "release":
             self._release(op.release.buffer_ids)
+            if op.release.loader_ids:
+                from .loader import close_loaders
+                close_loaders(self, op.release.loader_ids)
         elif which == "recv":
             r = op.recv
             err = self._room_for(_nbytes(r.meta), r.spec,

@@ -360,6 +360,14 @@ def open_loader(service, request, context, to_device) -> None:
     return reply
 
 
+def close_loaders(service, ids) -> None:
+    """A ReleaseOp's loader ids: stop those loaders (their threads, workers, batches)."""
+    for i in ids:
+        loader = service.loaders.pop(i, None)
+        if loader is not None:
+            loader.close()
+
+
 def take_batch(service, op, timeout: float):
     """A BatchOp on ``service``: (the placed buffers, in the op's order, or None;
     the BufferError that fails every output instead, or None)."""

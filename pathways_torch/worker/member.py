@@ -561,6 +561,9 @@ class MemberService(_make_servicer_base()):
         elif which == "put":
             self._put(op.put)
         elif which == "release":
+            if op.release.loader_ids:
+                from .loader import close_loaders
+                close_loaders(self, op.release.loader_ids)
             with self.cond:
                 gone = [self.store.pop(b, None) for b in op.release.buffer_ids]
             for buf in gone:
