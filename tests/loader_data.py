@@ -54,3 +54,10 @@ def summarize(x, y, scale=1.0):
 
 def boom(x):
     raise ValueError("bad value in a colocated function")
+
+
+def row_stats(x, y=None):
+    out = {"rows": int(x.shape[0]), "first": float(x[0, 0]), "sum": float(x.double().sum())}
+    if y is not None:
+        out["y_shape"] = list(y.shape)
+    return out

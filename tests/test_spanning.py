@@ -195,6 +195,18 @@ def test_training_on_host_batches_over_two_hosts_matches_torch(cluster, wide):
         other.release()
 
 
+def test_colocated_runs_on_each_host_with_its_own_rows(wide):
+    x = torch.arange(48.0).reshape(8, 6)
+    a, b = pw.put(x, wide, P("data")), pw.put(torch.ones(3, 2), wide)
+    per_host = pw.colocated("loader_data:row_stats")(a, b)
+    assert [h["rows"] for h in per_host] == [4, 4]          # "data" crosses the hosts
+    assert [h["first"] for h in per_host] == [0.0, 24.0]
+    assert sum(h["sum"] for h in per_host) == float(x.sum())
+    assert per_host[0]["y_shape"] == [3, 2]                  # replicated: all of it
+    with pytest.raises(pw.ColocatedError, match="returns values"):
+        pw.colocated("loader_data:summarize")(a, b)
+
+
 @pytest.mark.parametrize("there,back", [(P("d"), P(None, "model")), (P(), P("data")),
                                         (P(None, "d"), P(("data", "model")))])
 def test_moves_to_and_from_a_one_host_slice_reshard_host_to_host(wide, there, back):

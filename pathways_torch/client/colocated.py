@@ -32,7 +32,9 @@ def colocated(fn: str, *, out_specs: Optional[Sequence] = None, max_outputs: int
 
     Returns ``fn``'s result with each tensor in it an Array on the same slice
     (replicated, or ``out_specs[k]`` for the k-th tensor) and everything else as
-    ``fn`` returned it. Blocks until ``fn`` has run (its inputs are ready first). A
+    ``fn`` returned it. On a slice that spans hosts, each host runs ``fn`` on its own
+    region of each input (what its devices hold) and returns values, not tensors:
+    the call gives a list of the hosts' results, in host order. Blocks until ``fn`` has run (its inputs are ready first). A
     function that raises gives ``pw.ColocatedError`` naming the host; the slice stays
     usable.
 
@@ -66,9 +68,6 @@ def colocated(fn: str, *, out_specs: Optional[Sequence] = None, max_outputs: int
         if any(a.slice is not s for a in arrays):
             raise PlacementError(f"pw.colocated({fn!r}): the Arrays live on different "
                                  "slices; move them to one first (Array.to)")
-        if s.spans_hosts:
-            raise PlacementError(f"pw.colocated({fn!r}): {s!r} spans hosts; colocated "
-                                 "functions run on slices of one host for now")
         runtime.check_alive(s)
         for a in arrays:
             a._check_usable()
@@ -86,12 +85,24 @@ def colocated(fn: str, *, out_specs: Optional[Sequence] = None, max_outputs: int
                                   kwargs_json=kwargs_json, out_ids=ids, timeout_s=t)
         for sp in specs:
             spec_to_proto(sp, req.out_specs.add())
+        what = f"pw.colocated({fn!r})"
+        if s.spans_hosts:           # every host on its own region; values, per host
+            def one(member):
+                try:
+                    rep = member.stub.Colocated(req, timeout=t + 5)
+                except grpc.RpcError as e:
+                    raise member._rpc_error(e, what, t) from None
+                if rep.has_error:
+                    raise_buffer_error(rep.error, what)
+                return pytree.tree_unflatten(json.loads(rep.values_json or "[]"),
+                                             pytree.treespec_loads(rep.treespec))
+            return conn._each(one)
         try:
             rep = conn.stub.Colocated(req, timeout=t + 5)
         except grpc.RpcError as e:
-            raise conn._rpc_error(e, f"pw.colocated({fn!r})", t) from None
+            raise conn._rpc_error(e, what, t) from None
         if rep.has_error:
-            raise_buffer_error(rep.error, f"pw.colocated({fn!r})")
+            raise_buffer_error(rep.error, what)
         values = iter(json.loads(rep.values_json or "[]"))
         metas = iter(enumerate(rep.tensors))
         leaves = []

@@ -4,7 +4,8 @@ The client names the function (``"package.module:fn"``; never a pickled callable
 the buffers it takes. Here the buffers are read to the host as CPU tensors, the function
 runs on them, and what it returns goes back by kind: tensors become buffers of the slice
 under ids the client reserved, other values (numbers, strings, lists, dicts) travel as
-JSON. Only the tensors' metadata crosses the wire.
+JSON. Only the tensors' metadata crosses the wire. On a slice that spans hosts each
+host runs the function on its own region of the inputs and returns values.
 """
 
 from __future__ import annotations
@@ -22,43 +23,36 @@ from .loader import LoaderError, import_named
 from .store import Entry
 
 
-def run_colocated(ex, req):
-    """Serve one Colocated call on executor ``ex``; returns a ColocatedReply."""
+def _call(ex, req, inputs):
+    """Import and run the function on ``inputs``: (result, None) or (None, the
+    ColocatedReply that says why not)."""
     pb = ex.pb
-
-    def fail(kind: str, message: str):
-        return pb.ColocatedReply(has_error=True, error=ex._err(kind, message, req.fn))
-
     try:
         fn = import_named(req.fn, "the colocated function")
         kwargs = json.loads(req.kwargs_json or "{}")
     except (LoaderError, ValueError) as e:
-        return fail("colocated", str(e))
-    inputs = []
-    for bid in req.inputs:
-        entry, err = ex._readable(pb.FetchRequest(buffer_id=bid, after_seq=req.after_seq,
-                                                  timeout_s=req.timeout_s))
-        if err is not None:
-            return pb.ColocatedReply(has_error=True, error=err.error)
-        try:
-            inputs.append(entry.tensor.cpu())
-        except Exception as e:
-            return fail("program", f"buffer {bid} failed on {ex.where}: {e}")
-        finally:
-            ex.store.end_read(entry)
+        return None, pb.ColocatedReply(has_error=True,
+                                       error=ex._err("colocated", str(e), req.fn))
     try:
-        out = fn(*inputs, **kwargs)
+        return fn(*inputs, **kwargs), None
     except Exception as e:
         tb = traceback.format_exc(limit=-3)
-        return fail("colocated", f"{req.fn} raised on {ex.where}: {type(e).__name__}: {e}\n"
-                    f"{tb}")
+        return None, pb.ColocatedReply(has_error=True, error=ex._err(
+            "colocated", f"{req.fn} raised on {ex.where}: {type(e).__name__}: {e}\n{tb}",
+            req.fn))
+
+
+def _split(ex, req, out):
+    """The result's structure, its tensor leaves, and a reply holding the rest."""
+    pb = ex.pb
     leaves, tree = pytree.tree_flatten(out)
     try:
         treespec = pytree.treespec_dumps(tree)
     except Exception as e:
-        return fail("colocated", f"{req.fn} returned a {type(out).__name__}, whose "
-                    f"structure cannot travel ({e}); return tensors, numbers, strings, "
-                    "and tuples, lists or dicts of them")
+        return None, pb.ColocatedReply(has_error=True, error=ex._err(
+            "colocated", f"{req.fn} returned a {type(out).__name__}, whose structure "
+            f"cannot travel ({e}); return tensors, numbers, strings, and tuples, lists or "
+            "dicts of them", req.fn))
     tensors, values, is_tensor = [], [], []
     for leaf in leaves:
         if isinstance(leaf, np.ndarray):
@@ -69,16 +63,80 @@ def run_colocated(ex, req):
         else:
             values.append(leaf)
             is_tensor.append(False)
-    if len(tensors) > len(req.out_ids):
-        return fail("colocated", f"{req.fn} returned {len(tensors)} tensors; a colocated "
-                    f"call takes at most {len(req.out_ids)} (max_outputs=)")
     try:
         values_json = json.dumps(values)
     except (TypeError, ValueError) as e:
-        return fail("colocated", f"{req.fn} returned a value JSON cannot carry ({e}); "
-                    "return tensors for array data")
-    reply = pb.ColocatedReply(treespec=treespec, values_json=values_json,
-                              is_tensor=is_tensor)
+        return None, pb.ColocatedReply(has_error=True, error=ex._err(
+            "colocated", f"{req.fn} returned a value JSON cannot carry ({e}); return "
+            "tensors for array data", req.fn))
+    return tensors, pb.ColocatedReply(treespec=treespec, values_json=values_json,
+                                      is_tensor=is_tensor)
+
+
+def run_colocated_member(m, req):
+    """Serve one Colocated call on member ``m`` of a slice that spans hosts: the
+    function gets this host's region of each input (the box its devices' shards
+    cover); it returns values (gathered by the client, one result per host)."""
+    from .member import _to_torch
+    pb = m.pb
+    inputs = []
+    for bid in req.inputs:
+        try:
+            buf = m._wait_entry(bid, req.after_seq, req.timeout_s or 600.0)
+        except TimeoutError:
+            return pb.ColocatedReply(has_error=True, error=m._err(
+                "timeout", f"buffer {bid} not ready in {req.timeout_s} s"))
+        if buf is None:
+            return pb.ColocatedReply(has_error=True, error=m._err(
+                "unknown_buffer", f"buffer {bid} does not exist"))
+        m._check_ready(bid, buf)
+        if buf.error is not None:
+            return pb.ColocatedReply(has_error=True, error=buf.error)
+        blocks = m.rt.local_blocks(buf.array)
+        lo = [min(st[d] for st, _ in blocks) for d in range(len(blocks[0][0]))]
+        hi = [max(st[d] + v.shape[d] for st, v in blocks) for d in range(len(lo))]
+        region = np.empty([b - a for a, b in zip(lo, hi)], dtype=blocks[0][1].dtype)
+        for st, v in blocks:
+            region[tuple(slice(a - o, a - o + n) for a, o, n in zip(st, lo, v.shape))] = v
+        inputs.append(_to_torch(torch, region))
+    out, err = _call(m, req, inputs)
+    if err is not None:
+        return err
+    tensors, reply = _split(m, req, out)
+    if tensors:
+        return pb.ColocatedReply(has_error=True, error=m._err(
+            "colocated", f"{req.fn} returned tensors on a slice that spans hosts; there "
+            "a colocated function returns values (numbers, strings, lists, dicts), one "
+            "result per host", req.fn))
+    return reply
+
+
+def run_colocated(ex, req):
+    """Serve one Colocated call on executor ``ex``; returns a ColocatedReply."""
+    pb = ex.pb
+    inputs = []
+    for bid in req.inputs:
+        entry, err = ex._readable(pb.FetchRequest(buffer_id=bid, after_seq=req.after_seq,
+                                                  timeout_s=req.timeout_s))
+        if err is not None:
+            return pb.ColocatedReply(has_error=True, error=err.error)
+        try:
+            inputs.append(entry.tensor.cpu())
+        except Exception as e:
+            return pb.ColocatedReply(has_error=True, error=ex._err(
+                "program", f"buffer {bid} failed on {ex.where}: {e}", req.fn))
+        finally:
+            ex.store.end_read(entry)
+    out, err = _call(ex, req, inputs)
+    if err is not None:
+        return err
+    tensors, reply = _split(ex, req, out)
+    if tensors is None:
+        return reply
+    if len(tensors) > len(req.out_ids):
+        return pb.ColocatedReply(has_error=True, error=ex._err(
+            "colocated", f"{req.fn} returned {len(tensors)} tensors; a colocated call "
+            f"takes at most {len(req.out_ids)} (max_outputs=)", req.fn))
     for k, t in enumerate(tensors):
         try:
             codec.dtype_name(t.dtype)
@@ -86,8 +144,9 @@ def run_colocated(ex, req):
             dev = ex._to_device(t, spec)
         except Exception as e:
             ex.store.release(list(req.out_ids[:k]))
-            return fail("colocated", f"output {k} of {req.fn} ({t.dtype}{list(t.shape)}) "
-                        f"cannot be placed on the slice: {e}")
+            return pb.ColocatedReply(has_error=True, error=ex._err(
+                "colocated", f"output {k} of {req.fn} ({t.dtype}{list(t.shape)}) cannot be "
+                f"placed on the slice: {e}", req.fn))
         ex.store.put(req.out_ids[k], Entry(dev, None, codec.nbytes(t.dtype, tuple(t.shape)),
                                            req.fn, None, ex._shards(spec)))
         reply.tensors.add(dtype=codec.dtype_name(t.dtype), shape=list(t.shape))

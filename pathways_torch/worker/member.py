@@ -595,6 +595,12 @@ class MemberService(_make_servicer_base()):
             self._fail(validate.op_outputs(op), self._err(
                 "program", f"a {which} op is not done on a slice that spans hosts"))
 
+    def Colocated(self, request, context):
+        """pw.colocated on this host's region of the inputs (worker/colocated.py)."""
+        self._authorize(context)
+        from .colocated import run_colocated_member
+        return run_colocated_member(self, request)
+
     # ------------------------------------------------------------------ pw.DataLoader
     def OpenLoader(self, request, context):
         """This host's loader of a pw.DataLoader: it loads its own devices' rows."""
