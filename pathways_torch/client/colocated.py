@@ -86,23 +86,21 @@ def colocated(fn: str, *, out_specs: Optional[Sequence] = None, max_outputs: int
         for sp in specs:
             spec_to_proto(sp, req.out_specs.add())
         what = f"pw.colocated({fn!r})"
+
+        def ask(member) -> pb.ColocatedReply:
+            try:
+                rep = member.stub.Colocated(req, timeout=t + 5)
+            except grpc.RpcError as e:
+                raise member._rpc_error(e, what, t) from None
+            if rep.has_error:
+                raise_buffer_error(rep.error, what)
+            return rep
+
         if s.spans_hosts:           # every host on its own region; values, per host
-            def one(member):
-                try:
-                    rep = member.stub.Colocated(req, timeout=t + 5)
-                except grpc.RpcError as e:
-                    raise member._rpc_error(e, what, t) from None
-                if rep.has_error:
-                    raise_buffer_error(rep.error, what)
-                return pytree.tree_unflatten(json.loads(rep.values_json or "[]"),
-                                             pytree.treespec_loads(rep.treespec))
-            return conn._each(one)
-        try:
-            rep = conn.stub.Colocated(req, timeout=t + 5)
-        except grpc.RpcError as e:
-            raise conn._rpc_error(e, what, t) from None
-        if rep.has_error:
-            raise_buffer_error(rep.error, what)
+            return [pytree.tree_unflatten(json.loads(rep.values_json or "[]"),
+                                          pytree.treespec_loads(rep.treespec))
+                    for rep in conn._each(ask)]
+        rep = ask(conn)
         values = iter(json.loads(rep.values_json or "[]"))
         metas = iter(enumerate(rep.tensors))
         leaves = []

@@ -427,14 +427,19 @@ class DataPlane:
         with self._conns_lock:
             c = self._conns.get(address)
             if c is None:
-                host, port = address.rsplit(":", 1)
-                s = socket.create_connection((host, int(port)), timeout=30)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self._token or self._tls_client is not None:
-                    s = self._prove(s, address, host)
+                s = self._dial(address)
                 s.settimeout(None)
                 c = self._conns[address] = (s, threading.Lock())
             return c
+
+    def _dial(self, address: str) -> socket.socket:
+        """A new connection to the data plane at ``address``, proven (token, TLS)."""
+        host, port = address.rsplit(":", 1)
+        s = socket.create_connection((host, int(port)), timeout=30)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._token or self._tls_client is not None:
+            s = self._prove(s, address, host)
+        return s
 
     def _prove(self, s: socket.socket, address: str, host: str) -> socket.socket:
         """TLS handshake and the token exchange on a new outgoing connection."""
@@ -519,11 +524,7 @@ class DataPlane:
             idle = self._idle_pulls.get(address)
             sock = idle.pop() if idle else None
         if sock is None:
-            host, port = address.rsplit(":", 1)
-            sock = socket.create_connection((host, int(port)), timeout=30)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._token or self._tls_client is not None:
-                sock = self._prove(sock, address, host)
+            sock = self._dial(address)
         if call is not None:
             call.sock = sock
         ok = False
