@@ -418,7 +418,8 @@ COORD_METHODS = [("RegisterWorker", "bidi"), ("OpenSession", "bidi"),
                  ("ReleaseSlice", "unary"), ("Schedule", "unary"), ("Profile", "unary")]
 WORKER_METHODS = ["StartExecutor", "StopExecutor", "ExecutorReady", "Profile"]
 EXECUTOR_METHODS = [("Compile", "unary"), ("Fetch", "stream"), ("Wait", "unary"),
-                    ("Stats", "unary"), ("Profile", "unary")]
+                    ("Stats", "unary"), ("Profile", "unary"),
+                    ("OpenLoader", "unary", "LoaderSpec"), ("Colocated", "unary")]
 
 
 def undecodable(draw, cls) -> bytes:
@@ -567,8 +568,8 @@ def bad_spec(draw, rank: int | None):
 
 
 UNITS = ["put", "chunks", "execute", "recv", "send", "save", "load", "gang", "empty",
-         "random_put", "random_execute"]
-SINGLE = ["put", "execute", "recv", "save", "load", "random_put"]     # one op with outputs
+         "random_put", "random_execute", "batch"]
+SINGLE = ["put", "execute", "recv", "save", "load", "random_put", "batch"]  # with outputs
 
 
 @st.composite
@@ -716,6 +717,13 @@ def dispatch_ops(draw, env, kinds=tuple(UNITS)):
         return [pb.Op(gang=pb.GangOp(ops=inner))], outs
     if kind == "empty":
         return [pb.Op()], {}
+    if kind == "batch":                          # a pw.DataLoader batch, made wrong
+        b = pb.BatchOp(loader_id=draw(u64), epoch=draw(st.integers(-5, 5)),
+                       index=draw(st.integers(-5, 5)), outputs=[out])
+        if draw(st.booleans()):                  # must not overwrite a live buffer
+            b.outputs.append(LIVE)
+            return [pb.Op(batch=b)], {out: {"input"}}
+        return [pb.Op(batch=b)], {out: {"data"}}    # no such loader is open
     if kind == "random_put":                     # random bytes as a PutOp, made wrong
         p = parsed(pb.PutOp, draw(st.binary(max_size=48)))
         p.buffer_id, p.last = out, True
@@ -857,8 +865,20 @@ def test_executor_refuses_malformed_calls(env):
             assert chunk.has_error and chunk.error.kind == "unknown_buffer"
             rep = a.Wait(pb.WaitRequest(buffer_ids=ids, timeout_s=5), timeout=30)
             assert all(rep.failed) and {e.kind for e in rep.errors} == {"unknown_buffer"}
-        for method, kind in EXECUTOR_METHODS:
-            cls = getattr(pb, f"{method}Request")
+            # a loader whose numbers make no sense is refused before any import
+            m = pb.LoaderSpec(loader_id=data.draw(u64), dataset="os:getcwd",
+                              batch_size=data.draw(st.integers(-3, 0)), parts=1, mine=[0])
+            if data.draw(st.booleans()):
+                m.batch_size, m.mine[:] = 4, [data.draw(st.integers(1, 9))]
+            expect("executor OpenLoader", lambda: a.OpenLoader(m, timeout=30),
+                   {C.INVALID_ARGUMENT})
+            # a colocated call on unknown buffers answers with their error, not a status
+            SENT["executor Colocated (unknown ids)"] += 1
+            rep = a.Colocated(pb.ColocatedRequest(fn="os:getcwd", inputs=[ids[0]],
+                                                  timeout_s=5), timeout=30)
+            assert rep.has_error and rep.error.kind == "unknown_buffer"
+        for method, kind, *name in EXECUTOR_METHODS:
+            cls = getattr(pb, name[0] if name else f"{method}Request")
             blob = undecodable(data.draw, cls)
             expect("executor (undecodable)",
                    lambda: raw(env.a_ch, f"/pathways.Executor/{method}", blob, kind),

@@ -302,3 +302,17 @@ def test_a_dropped_loader_stops_on_the_host(islands):
     gc.collect()
     s.stats()                       # the close is in the stream before this barrier
     assert wait_gone(list(workers)) == []
+
+
+def test_workers_can_narrow_what_may_be_imported(monkeypatch):
+    """PATHWAYS_IMPORT_ALLOW on a worker: its loaders and colocated calls import only
+    from those packages (the cluster token is what guards the rest)."""
+    from pathways_torch.worker.loader import LoaderError, import_named
+    monkeypatch.setenv("PATHWAYS_IMPORT_ALLOW", "loader_data, pathways_torch.datasets")
+    assert import_named("loader_data:rows", "f") is loader_data.rows
+    assert import_named("pathways_torch.datasets:synthetic_images", "f")
+    for name in ("subprocess:run", "os:system", "loader_data_x:rows", "pathways_torch:init"):
+        with pytest.raises(LoaderError, match="not allowed on this host"):
+            import_named(name, "the colocated function")
+    monkeypatch.delenv("PATHWAYS_IMPORT_ALLOW")
+    assert import_named("os:getcwd", "f")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import queue
 import threading
 import traceback
@@ -31,11 +32,24 @@ class LoaderError(Exception):
     """A dataset, factory or collate function failed (the message names what and where)."""
 
 
+ALLOW_ENV = "PATHWAYS_IMPORT_ALLOW"
+
+
 def import_named(name: str, what: str) -> Callable:
-    """``"package.module:attr"`` -> the attribute; a LoaderError that says what to fix."""
+    """``"package.module:attr"`` -> the attribute; a LoaderError that says what to fix.
+
+    A client that holds the cluster token may name any importable function here, so
+    the token is what guards the workers; ``PATHWAYS_IMPORT_ALLOW`` on a worker
+    (comma-separated packages) narrows what its loaders and colocated calls may import.
+    """
     mod, sep, attr = name.partition(":")
     if not sep or not mod or not attr:
         raise LoaderError(f"{what} {name!r} is not 'package.module:name'")
+    allow = [p.strip() for p in os.environ.get(ALLOW_ENV, "").split(",") if p.strip()]
+    if allow and not any(mod == p or mod.startswith(p + ".") for p in allow):
+        raise LoaderError(f"{what} {name!r} is not allowed on this host: "
+                          f"{ALLOW_ENV}={','.join(allow)} (the packages its loaders and "
+                          "colocated functions may import)")
     try:
         obj = importlib.import_module(mod)
         for part in attr.split("."):
