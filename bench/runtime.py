@@ -9,11 +9,12 @@
   wait and ``Array.torch()`` by three paths: the data plane through /dev/shm (what a
   client on the workers' machine gets), the data plane's socket (``PATHWAYS_SHM=0``:
   what a client on another machine gets), and the old control stream (4 MiB protobuf
-  chunks, forced by raising ``DATA_PLANE_MIN_BYTES``); a replicated tensor, and
+  chunks, forced by raising ``PUT_MIN_BYTES``/``FETCH_MIN_BYTES``); a replicated tensor, and
   (``*_sharded``) one split over the 2 devices. ``*_over_tcp`` are medians of
   the per-round ratios, with their range. ``device_put_gbps``/``device_fetch_gbps``:
   torch_xla's own host<->device copies of the same tensor in the executor (the floor
-  every path pays).
+  every path pays). ``small_round_trips``: put + wait and fetch of 16 KiB to 1 MiB on
+  the stream and on the data plane, in µs (where the threshold between them sits).
 
 Prints one JSON object.
     python bench/runtime.py [--runs 5]
@@ -81,11 +82,44 @@ def put_fetch(s, x: torch.Tensor, spec=None) -> tuple:
     return nbytes / (t1 - t0) / 1e9, nbytes / (t2 - t1) / 1e9
 
 
-PATHS = {   # name: (PATHWAYS_SHM, DATA_PLANE_MIN_BYTES, spec)
-    "shm": ("1", connection.DATA_PLANE_MIN_BYTES, None),
-    "socket": ("0", connection.DATA_PLANE_MIN_BYTES, None),
+def latencies(s, reps: int) -> dict:
+    """Put + wait and fetch round trips (µs, medians) of small tensors on the control
+    stream and on the data plane (/dev/shm): where the thresholds should be."""
+    out = {}
+    for kib in (16, 64, 256, 1024):
+        x = torch.randn(kib * 256)
+        row = {}
+        for way, least in (("stream", 1 << 62), ("plane", 0)):
+            set_least(least)
+            puts, fetches = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                a = pw.put(x, s)
+                a.wait()
+                t1 = time.perf_counter()
+                a.torch()
+                puts.append((t1 - t0) * 1e6)
+                fetches.append((time.perf_counter() - t1) * 1e6)
+            row[way] = {"put_us": round(median(puts)), "fetch_us": round(median(fetches))}
+        out[f"{kib}KiB"] = row
+    set_least(None)
+    return out
+
+
+DEFAULTS = (connection.PUT_MIN_BYTES, connection.FETCH_MIN_BYTES)
+
+
+def set_least(least) -> None:
+    """Both data-plane thresholds to ``least`` (None: their defaults)."""
+    connection.PUT_MIN_BYTES, connection.FETCH_MIN_BYTES = \
+        DEFAULTS if least is None else (least, least)
+
+
+PATHS = {   # name: (PATHWAYS_SHM, the data plane's least bytes (None: default), spec)
+    "shm": ("1", None, None),
+    "socket": ("0", None, None),
     "stream": ("1", 1 << 62, None),
-    "shm_sharded": ("1", connection.DATA_PLANE_MIN_BYTES, pw.P("data")),
+    "shm_sharded": ("1", None, pw.P("data")),
     "stream_sharded": ("1", 1 << 62, pw.P("data")),
 }
 
@@ -113,12 +147,14 @@ def main() -> None:
             for path in order:
                 shm, least, spec = PATHS[path]
                 os.environ["PATHWAYS_SHM"] = shm
-                connection.DATA_PLANE_MIN_BYTES = least
+                set_least(least)
                 put, fetch = put_fetch(s, x, spec)
                 rates[path][0].append(put)
                 rates[path][1].append(fetch)
             os.environ.pop("PATHWAYS_SHM", None)
-            connection.DATA_PLANE_MIN_BYTES = PATHS["shm"][1]
+            set_least(None)
+            if r == args.runs - 1:
+                small = latencies(s, 15)
             s.release()
         for _ in range(max(1, args.runs // 2)):
             cold.append(cold_process_s())
@@ -134,7 +170,8 @@ def main() -> None:
     out = {"benchmark": "runtime_costs", "runs": args.runs, "payload_mib": args.mib,
            "slice_alloc_ms": round(median(alloc), 1), "cold_process_s": round(median(cold), 2),
            "tcp_gbps": round(median(tcp), 3),
-           "device_put_gbps": round(dev_put, 3), "device_fetch_gbps": round(dev_fetch, 3)}
+           "device_put_gbps": round(dev_put, 3), "device_fetch_gbps": round(dev_fetch, 3),
+           "small_round_trips": small}
     for path, (puts, fetches) in rates.items():
         key = "" if path == "shm" else f"_{path}"
         out[f"put{key}_gbps"] = round(median(puts), 3)

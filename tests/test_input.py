@@ -34,10 +34,9 @@ def path(request, monkeypatch):
     """Which way bulk bytes go: the data plane through /dev/shm or its socket, or the
     control stream (the data plane off)."""
     monkeypatch.setenv("PATHWAYS_SHM", "0" if request.param == "socket" else "1")
-    if request.param == "stream":
-        monkeypatch.setattr(connection, "DATA_PLANE_MIN_BYTES", 1 << 62)
-    else:
-        monkeypatch.setattr(connection, "DATA_PLANE_MIN_BYTES", 1024)
+    least = 1 << 62 if request.param == "stream" else 1024
+    monkeypatch.setattr(connection, "PUT_MIN_BYTES", least)
+    monkeypatch.setattr(connection, "FETCH_MIN_BYTES", least)
     return request.param
 
 
@@ -110,8 +109,7 @@ def test_program_outputs_fetch_on_every_path(islands, path):
         assert torch.allclose(out.torch(), (x * 2 + 1).sum(-1), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool],
-                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 def test_island_transfers_with_resharding(islands, dtype):
     a, b = islands
     x = sample(dtype, (32, 20))

@@ -7,7 +7,7 @@ spends ~200 µs of CPU per message on each side here; see docs/architecture.md).
 Releases of dropped Arrays are queued from finalizers in their place in the order, so
 a release never overtakes the op that creates its buffer.
 
-Bulk bytes do not ride the stream: a put of ``DATA_PLANE_MIN_BYTES`` or more goes on the
+Bulk bytes do not ride the stream: a put of ``PUT_MIN_BYTES`` or more goes on the
 executor's data plane (worker/dataplane.py) straight from the tensor's storage, followed
 by a ``RecvOp`` in the stream's order, and a fetch is a pull on that plane, whose bytes
 land in the tensor the caller gets. When client and executor share a machine (a
@@ -59,9 +59,13 @@ class _CloseLoader:
         self.loader_id = loader_id
 _MAX_BATCH_OPS = 512
 _MAX_BATCH_BYTES = 8 << 20
-# Puts and fetches of at least this many bytes use the data plane; smaller ones ride
-# the control stream, where they cost no extra round trip (docs/architecture.md).
-DATA_PLANE_MIN_BYTES = 256 << 10
+# Puts of at least this many bytes use the data plane; smaller ones ride the control
+# stream, as fast there (64 KiB: 1.47 ms either way; 16 KiB: 1.31 ms on the stream,
+# 1.47 ms on the plane). Fetches use the plane whatever their size: a pull answers a
+# scalar in ~0.4 ms where the Fetch RPC takes ~1.1 ms (bench/runtime.py,
+# small_round_trips; docs/architecture.md, Decision 19).
+PUT_MIN_BYTES = 64 << 10
+FETCH_MIN_BYTES = 0
 
 
 class _ClientPlane:
@@ -309,7 +313,7 @@ class ExecutorConnection:
         written before this returns, so the caller may change the tensor afterwards."""
         bid = self.new_id()
         meta = pb.TensorMeta(dtype=codec.dtype_name(tensor.dtype), shape=list(tensor.shape))
-        plane = self._plane(tensor.numel() * tensor.element_size())
+        plane = self._plane(tensor.numel() * tensor.element_size(), PUT_MIN_BYTES)
         if plane is not None:
             self._check()
             tid = random.getrandbits(63) | 1
@@ -332,10 +336,10 @@ class ExecutorConnection:
                 data=bytes(part), last=last)))
         return bid, seq
 
-    def _plane(self, nbytes: Optional[int]) -> Optional[dataplane.DataPlane]:
-        """The data plane for ``nbytes`` of bulk data (None: a size not known), or None
-        for the control stream."""
-        if not self.data_address or (nbytes is not None and nbytes < DATA_PLANE_MIN_BYTES):
+    def _plane(self, nbytes: Optional[int], least: int) -> Optional[dataplane.DataPlane]:
+        """The data plane for ``nbytes`` (None: a size not known) where ``least`` is
+        the smallest size it takes, or None for the control stream."""
+        if not self.data_address or (nbytes is not None and nbytes < least):
             return None
         return _ClientPlane.get()
 
@@ -505,7 +509,7 @@ class ExecutorConnection:
                nbytes: Optional[int] = None):
         self._check()
         t = timeout or self.timeout
-        plane = self._plane(nbytes)
+        plane = self._plane(nbytes, FETCH_MIN_BYTES)
         if plane is not None:
             return self._pull(plane, buffer_id, after_seq, what, t)
         chunks = self.stub.Fetch(pb.FetchRequest(buffer_id=buffer_id, after_seq=after_seq,
