@@ -60,11 +60,11 @@ class _CloseLoader:
 _MAX_BATCH_OPS = 512
 _MAX_BATCH_BYTES = 8 << 20
 # Puts of at least this many bytes use the data plane; smaller ones ride the control
-# stream, as fast there (64 KiB: 1.47 ms either way; 16 KiB: 1.31 ms on the stream,
-# 1.47 ms on the plane). Fetches use the plane whatever their size: a pull answers a
-# scalar in ~0.4 ms where the Fetch RPC takes ~1.1 ms (bench/runtime.py,
-# small_round_trips; docs/architecture.md, Decision 19).
-PUT_MIN_BYTES = 64 << 10
+# stream, as fast or faster there (64 KiB: 0.95-1.48 ms on the stream, 1.36-1.47 ms on
+# the plane; 256 KiB: 1.83-1.89 against 1.54-1.70). Fetches use the plane whatever
+# their size: a pull answers a scalar in ~0.4 ms where the Fetch RPC takes ~1.1 ms
+# (bench/runtime.py, small_round_trips; docs/architecture.md, Decision 19).
+PUT_MIN_BYTES = 256 << 10
 FETCH_MIN_BYTES = 0
 
 
