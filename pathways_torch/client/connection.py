@@ -534,6 +534,19 @@ class ExecutorConnection:
         """A fetch on the data plane: the bytes land in the returned tensor's storage."""
         req = pb.FetchRequest(buffer_id=buffer_id, after_seq=after_seq, timeout_s=t,
                               slice_key=self._key, same_host=self._same_host())
+        reply, payload = self._pull_reply(plane, req, what, t)
+        dtype = codec.dtype_from_name(reply.meta.dtype)
+        shape = tuple(reply.meta.shape)
+        if payload.numel() != codec.nbytes(dtype, shape):
+            raise WorkerLostError(f"{what}: {self.where} sent {payload.numel()} bytes for "
+                                  f"{reply.meta.dtype}{list(shape)}")
+        if payload.numel() == 0:
+            return torch.empty(shape, dtype=dtype)
+        return payload.view(dtype).reshape(shape)
+
+    def _pull_reply(self, plane, req: pb.FetchRequest, what: str, t: float):
+        """Send a pull and wait for its answer: (FetchChunk, payload bytes as a uint8
+        tensor); the buffer's failure, a timeout or a lost peer raise, typed."""
         call = _SocketCall()
         self._inflight.add(call)
         try:
@@ -550,14 +563,7 @@ class ExecutorConnection:
             self._inflight.discard(call)
         if reply.has_error:
             raise_buffer_error(reply.error, what)
-        dtype = codec.dtype_from_name(reply.meta.dtype)
-        shape = tuple(reply.meta.shape)
-        if payload.numel() != codec.nbytes(dtype, shape):
-            raise WorkerLostError(f"{what}: {self.where} sent {payload.numel()} bytes for "
-                                  f"{reply.meta.dtype}{list(shape)}")
-        if payload.numel() == 0:
-            return torch.empty(shape, dtype=dtype)
-        return payload.view(dtype).reshape(shape)
+        return reply, payload
 
     def wait(self, buffer_ids: List[int], after_seq: int, what: str,
              timeout: Optional[float] = None) -> None:

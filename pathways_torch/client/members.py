@@ -19,6 +19,7 @@ Example (what ``pw.slice`` does when the slice spans hosts)::
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence
@@ -31,6 +32,7 @@ from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import member_blocks, spec_from_proto
 from . import graph as graph_mod
+from . import connection
 from .connection import ExecutorConnection, raise_buffer_error
 
 
@@ -59,7 +61,7 @@ class MembersConnection:
         self.timeout = timeout
         self.members = [ExecutorConnection(m.executor_address,
                                            f"island {m.island} host {m.host}", timeout,
-                                           reply.slice_id, reply.slice_key)
+                                           reply.slice_id, reply.slice_key, m.data_address)
                         for m in reply.members]
         self.address = self.members[0].address
         self.stub = self.members[0].stub
@@ -159,10 +161,32 @@ class MembersConnection:
         spec = spec_from_proto(spec_msg)
         value = tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor
         meta = pb.TensorMeta(dtype=codec.dtype_name(tensor.dtype), shape=list(shape))
+        each = [member_blocks(shape, spec, self.axis_names, self.mesh_shape, k,
+                              len(self.members))[0] for k in range(len(self.members))]
+        planes = [m._plane(tensor.numel() * tensor.element_size(),
+                            connection.PUT_MIN_BYTES)
+                  for m in self.members]
+        if all(planes):
+            # each host's blocks on its data plane, then a RecvOp with that one piece
+            recvs = []
+            for m, plane, blocks in zip(self.members, planes, each):
+                tid = random.getrandbits(63) | 1
+                views = [codec.byte_view(_block(tensor, b)) for b in blocks]
+                try:
+                    plane.send(m.data_address, tid, views, same_host=m._same_host())
+                except OSError as e:
+                    m._check()
+                    raise WorkerLostError(f"a put on {m.where}: its data plane at "
+                                          f"{m.data_address} is unreachable ({e})") from None
+                r = pb.RecvOp(buffer_id=bid, meta=meta, spec=spec_msg,
+                              transfer_id=random.getrandbits(63) | 1)
+                r.pieces.add(transfer_id=tid, src_host="the client", blocks=[
+                    pb.ShardBlock(start=[a for a, _ in b], shape=[e - a for a, e in b])
+                    for b in blocks])
+                recvs.append(pb.Op(recv=r))
+            return bid, self.send(PerMember(recvs))
         chunks = []
-        for k in range(len(self.members)):
-            blocks, _ = member_blocks(shape, spec, self.axis_names, self.mesh_shape, k,
-                                      len(self.members))
+        for blocks in each:
             data = b"".join(_block_bytes(value, b) for b in blocks)
             chunks.append(codec.chunks(data) or (memoryview(b""),))
         n = max(len(c) for c in chunks)
@@ -234,6 +258,11 @@ class MembersConnection:
             m.close()
 
 
+def _block(tensor: torch.Tensor, block) -> torch.Tensor:
+    """The contiguous CPU tensor of ``block`` ((start, stop) per dimension)."""
+    return tensor[tuple(slice(a, b) for a, b in block)].contiguous()
+
+
 def _block_bytes(value, block) -> bytes:
     index = tuple(slice(a, b) for a, b in block)
     part = value[index]
@@ -249,9 +278,17 @@ def _np_dtype(name: str) -> np.dtype:
 
 def _local_shards(m: ExecutorConnection, buffer_id: int, after_seq: int, what: str,
                   t: float):
-    """(meta, blocks, bytes) of one member's shards of a buffer."""
+    """(meta, blocks, bytes) of one member's shards of a buffer (a pull on its data
+    plane where it has one)."""
     import grpc
     m._check()
+    plane = m._plane(None, connection.FETCH_MIN_BYTES)
+    if plane is not None:
+        req = pb.FetchRequest(buffer_id=buffer_id, after_seq=after_seq, timeout_s=t,
+                              local_shards=True, slice_key=m._key,
+                              same_host=m._same_host())
+        reply, payload = m._pull_reply(plane, req, what, t)
+        return reply.meta, list(reply.blocks), memoryview(payload.numpy())
     chunks = m.stub.Fetch(pb.FetchRequest(buffer_id=buffer_id, after_seq=after_seq,
                                           timeout_s=t, local_shards=True), timeout=t + 5)
     m._inflight.add(chunks)

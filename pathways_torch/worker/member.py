@@ -118,6 +118,7 @@ class MemberService(_make_servicer_base()):
         from .dataplane import DataPlane
         self.dataplane = DataPlane(req["bind_host"], self.rec,
                                    advertise_host=req.get("advertise_host", ""))
+        self.dataplane.on_pull = self._on_pull
         self.transfer_timeout = 600.0
         self.process_name = (f"executor {self.where} slice {self.slice_id} member "
                              f"{self.member}/{self.members}")
@@ -285,6 +286,44 @@ class MemberService(_make_servicer_base()):
         for p in pieces[1:]:
             yield pb.FetchChunk(data=p)
 
+    def _on_pull(self, raw: bytes):
+        """A fetch of this host's shards on the data plane (dataplane.py): the reply
+        names the blocks, the payload is their bytes in that order."""
+        import hmac
+        pb = self.pb
+        req = pb.FetchRequest()
+        try:
+            req.ParseFromString(raw)
+            validate.check_timeout(req.timeout_s)
+        except Exception as e:      # noqa: BLE001
+            return pb.FetchChunk(has_error=True, error=self._err(
+                "input", f"a bad pull request: {e}")), None, False, None
+        if self._key and not hmac.compare_digest(req.slice_key.encode(), self._key.encode()):
+            return pb.FetchChunk(has_error=True, error=self._err(
+                "permission", f"slice {self.slice_id} on {self.where} belongs to another "
+                "client (or the pull lacks the slice key)")), None, False, None
+        try:
+            buf = self._wait_entry(req.buffer_id, req.after_seq, req.timeout_s or 600.0)
+        except TimeoutError:
+            return pb.FetchChunk(has_error=True, error=self._err(
+                "timeout", f"buffer {req.buffer_id} not ready in {req.timeout_s} s")), \
+                None, False, None
+        if buf is None:
+            return pb.FetchChunk(has_error=True, error=self._err(
+                "unknown_buffer", f"buffer {req.buffer_id} does not exist")), None, False, None
+        self._check_ready(req.buffer_id, buf)
+        if buf.error is not None:
+            return pb.FetchChunk(has_error=True, error=buf.error), None, False, None
+        dtype, shape = self.rt.aval(buf.array)
+        reply = pb.FetchChunk()
+        reply.meta.dtype = _dtype_name(dtype)
+        reply.meta.shape.extend(shape)
+        views = []
+        for start, value in self.rt.local_blocks(buf.array):
+            reply.blocks.add(start=list(start), shape=list(value.shape))
+            views.append(memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
+        return reply, views, req.same_host, None
+
     def Wait(self, request, context):
         self._authorize(context)
         validate.guard(context, validate.check_wait, request)
@@ -317,7 +356,8 @@ class MemberService(_make_servicer_base()):
             num_buffers=n, buffer_bytes=nbytes, num_programs=len(self.programs),
             num_devices=self.local_devices * self.members, executed=self.executed,
             compiles=self.compiles, pid=os.getpid(), gang_positions=self.gang_positions,
-            memory_budget=self.budget)
+            memory_budget=self.budget, bytes_received=self.dataplane.bytes_received,
+            bytes_sent=self.dataplane.bytes_sent, recv_seconds=self.dataplane.recv_seconds)
 
     def Profile(self, request, context):
         self._authorize(context)
