@@ -314,3 +314,18 @@ def test_workers_can_narrow_what_may_be_imported(monkeypatch):
             import_named(name, "the colocated function")
     monkeypatch.delenv("PATHWAYS_IMPORT_ALLOW")
     assert import_named("os:getcwd", "f")
+
+
+def test_a_pull_without_the_slice_key_is_refused(islands):
+    """The data plane checks a pull's slice key as gRPC checks a call's: another
+    client holding the cluster token still cannot read this slice's buffers."""
+    from pathways_torch.client.connection import _ClientPlane
+    from pathways_torch.rpc import pathways_pb2 as pb
+    s = islands[0]
+    a = pw.put(torch.randn(8), s)
+    a.wait()
+    for key in ("", "not-the-key"):
+        req = pb.FetchRequest(buffer_id=a._id, timeout_s=5, slice_key=key)
+        reply, payload = _ClientPlane.get().pull(s.data_address, req.SerializeToString(), 10)
+        assert reply.has_error and reply.error.kind == "permission" and payload is None
+    assert torch.equal(a.torch(), a.torch())

@@ -119,6 +119,27 @@ def listening(address: str) -> bool:
         return False
 
 
+def read_pull(service, raw: bytes):
+    """A pull's ``FetchRequest`` for an executor or member ``service``, checked (its
+    timeout, and the slice key against the service's): (request, None), or (None, the
+    FetchChunk that refuses it)."""
+    from ..rpc import pathways_pb2 as pb
+    from ..rpc import validate
+    req = pb.FetchRequest()
+    try:
+        req.ParseFromString(raw)
+        validate.check_timeout(req.timeout_s)
+    except Exception as e:      # noqa: BLE001 (anything undecodable or out of range)
+        return None, pb.FetchChunk(has_error=True, error=service._err(
+            "input", f"a bad pull request: {e}"))
+    key = service._key
+    if key and not hmac.compare_digest(req.slice_key.encode(), key.encode()):
+        return None, pb.FetchChunk(has_error=True, error=service._err(
+            "permission", f"slice {service.slice_id} on {service.where} belongs to another "
+            "client (or the pull lacks the slice key)"))
+    return req, None
+
+
 def is_loopback(address: str) -> bool:
     """Whether ``address`` (host:port) is on this machine's loopback interface: then the
     two ends share /dev/shm and bulk bytes may skip the socket."""

@@ -12,7 +12,6 @@ executions run to completion, so their spans are device time.
 from __future__ import annotations
 
 import collections
-import hmac
 import logging
 import os
 import queue
@@ -342,18 +341,11 @@ class ExecutorService(_make_servicer_base()):
     def _on_pull(self, raw: bytes):
         """A fetch on the data plane (see dataplane.py): (FetchChunk, payload views,
         same_host, release), ``release`` to be called once the views are sent."""
+        from .dataplane import read_pull
         pb = self.pb
-        req = pb.FetchRequest()
-        try:
-            req.ParseFromString(raw)
-            validate.check_timeout(req.timeout_s)
-        except Exception as e:
-            return pb.FetchChunk(has_error=True, error=self._err(
-                "input", f"a bad pull request: {e}")), None, False, None
-        if self._key and not hmac.compare_digest(req.slice_key.encode(), self._key.encode()):
-            return pb.FetchChunk(has_error=True, error=self._err(
-                "permission", f"slice {self.slice_id} on {self.where} belongs to another "
-                "client (or the pull lacks the slice key)")), None, False, None
+        req, refused = read_pull(self, raw)
+        if refused is not None:
+            return refused, None, False, None
         rec = self.rec
         t0 = rec.now() if rec.on else 0
         entry, err = self._readable(req)

@@ -289,19 +289,11 @@ class MemberService(_make_servicer_base()):
     def _on_pull(self, raw: bytes):
         """A fetch of this host's shards on the data plane (dataplane.py): the reply
         names the blocks, the payload is their bytes in that order."""
-        import hmac
+        from .dataplane import read_pull
         pb = self.pb
-        req = pb.FetchRequest()
-        try:
-            req.ParseFromString(raw)
-            validate.check_timeout(req.timeout_s)
-        except Exception as e:      # noqa: BLE001
-            return pb.FetchChunk(has_error=True, error=self._err(
-                "input", f"a bad pull request: {e}")), None, False, None
-        if self._key and not hmac.compare_digest(req.slice_key.encode(), self._key.encode()):
-            return pb.FetchChunk(has_error=True, error=self._err(
-                "permission", f"slice {self.slice_id} on {self.where} belongs to another "
-                "client (or the pull lacks the slice key)")), None, False, None
+        req, refused = read_pull(self, raw)
+        if refused is not None:
+            return refused, None, False, None
         try:
             buf = self._wait_entry(req.buffer_id, req.after_seq, req.timeout_s or 600.0)
         except TimeoutError:
