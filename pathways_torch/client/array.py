@@ -240,7 +240,7 @@ def _move_pieces(a: Array, dst: "runtime.Slice", spec: P, t0: int) -> Array:
     each destination host the parts of its shards that host needs (``move_plan``), as
     one piece on the data plane; the destination assembles them and reshards."""
     import random
-    from .members import PerMember
+    from .members import PerMember, shard_blocks
     shape = tuple(a.shape)
     src, dsts = a.slice, _host_blocks(dst, shape, spec)
     plan = move_plan(shape, _host_blocks(src, shape, a.sharding), dsts)
@@ -253,17 +253,13 @@ def _move_pieces(a: Array, dst: "runtime.Slice", spec: P, t0: int) -> Array:
     tids = [[random.getrandbits(63) | 1 if plan[k][j] else 0 for j in range(len(dsts))]
             for k in range(len(plan))]
 
-    def blocks(bs):
-        return [pb.ShardBlock(start=[s for s, _ in b], shape=[e - s for s, e in b])
-                for b in bs]
-
     bid = dst._conn.new_id()
     recvs = []
     for j in range(len(dsts)):
         r = pb.RecvOp(buffer_id=bid, meta=meta, spec=msg, transfer_id=random.getrandbits(63) | 1)
         for k in range(len(plan)):
             if plan[k][j]:
-                r.pieces.add(transfer_id=tids[k][j], blocks=blocks(plan[k][j]),
+                r.pieces.add(transfer_id=tids[k][j], blocks=shard_blocks(plan[k][j]),
                              src_data_address=src.data_addresses[k],
                              src_host=f"island {src.island} host {src.hosts[k]}")
         recvs.append(pb.Op(recv=r))
@@ -272,7 +268,7 @@ def _move_pieces(a: Array, dst: "runtime.Slice", spec: P, t0: int) -> Array:
         sends = [pb.Op(send=pb.SendOp(
             buffer_id=a._id, dst_data_address=dst.data_addresses[j], transfer_id=tids[k][j],
             same_host=(src.island, src.hosts[k]) == (dst.island, dst.hosts[j]),
-            blocks=blocks(plan[k][j]))) for k in range(len(plan))]
+            blocks=shard_blocks(plan[k][j]))) for k in range(len(plan))]
         if src.spans_hosts:
             a._conn.send(PerMember(sends))
         elif tids[0][j]:

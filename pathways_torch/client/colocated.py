@@ -34,9 +34,9 @@ def colocated(fn: str, *, out_specs: Optional[Sequence] = None, max_outputs: int
     (replicated, or ``out_specs[k]`` for the k-th tensor) and everything else as
     ``fn`` returned it. On a slice that spans hosts, each host runs ``fn`` on its own
     region of each input (what its devices hold) and returns values, not tensors:
-    the call gives a list of the hosts' results, in host order. Blocks until ``fn`` has run (its inputs are ready first). A
-    function that raises gives ``pw.ColocatedError`` naming the host; the slice stays
-    usable.
+    the call gives a list of the hosts' results, in host order. Blocks until ``fn``
+    has run (its inputs are ready first). A function that raises gives
+    ``pw.ColocatedError`` naming the host; the slice stays usable.
 
     Example (``mypkg/metrics.py`` on the workers' path)::
 

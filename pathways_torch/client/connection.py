@@ -315,15 +315,7 @@ class ExecutorConnection:
         meta = pb.TensorMeta(dtype=codec.dtype_name(tensor.dtype), shape=list(tensor.shape))
         plane = self._plane(tensor.numel() * tensor.element_size(), PUT_MIN_BYTES)
         if plane is not None:
-            self._check()
-            tid = random.getrandbits(63) | 1
-            try:
-                plane.send(self.data_address, tid, codec.byte_view(tensor.contiguous()),
-                           same_host=self._same_host())
-            except OSError as e:
-                self._check()
-                raise WorkerLostError(f"a put on {self.where}: its data plane at "
-                                      f"{self.data_address} is unreachable ({e})") from None
+            tid = self.send_bulk(plane, [codec.byte_view(tensor.contiguous())])
             seq = self.send(pb.Op(recv=pb.RecvOp(buffer_id=bid, meta=meta, spec=spec_msg,
                                                  transfer_id=tid, src_host="the client")))
             return bid, seq
@@ -342,6 +334,19 @@ class ExecutorConnection:
         if not self.data_address or (nbytes is not None and nbytes < least):
             return None
         return _ClientPlane.get()
+
+    def send_bulk(self, plane, views: list) -> int:
+        """Write ``views`` (bytes that follow each other) to the executor's data plane
+        as one transfer; its id, for the RecvOp that takes them in."""
+        self._check()
+        tid = random.getrandbits(63) | 1
+        try:
+            plane.send(self.data_address, tid, views, same_host=self._same_host())
+        except OSError as e:
+            self._check()
+            raise WorkerLostError(f"a put on {self.where}: its data plane at "
+                                  f"{self.data_address} is unreachable ({e})") from None
+        return tid
 
     def _same_host(self) -> bool:
         return dataplane.is_loopback(self.data_address) and dataplane.shm_allowed()

@@ -301,12 +301,11 @@ class DataLoader:
         sp = self._spec
         mine = {"seed": sp.seed, "batch_size": sp.batch_size, "shuffle": int(sp.shuffle),
                 "length": self._length}
-        bad = {k: (state.get(k), v) for k, v in mine.items()
-               if k in state and state[k] != v}
+        bad = [f"{k} (saved {state[k]}, here {v})" for k, v in mine.items()
+               if k in state and state[k] != v]
         if bad:
             raise ValueError(f"pw.DataLoader.load_state_dict: the saved loader differs in "
-                             f"{', '.join(f'{k} (saved {a}, here {b})' for k, (a, b) in bad.items())}"
-                             "; build the loader as it was built when saved")
+                             f"{', '.join(bad)}; build the loader as it was built when saved")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
     def close(self) -> None:

@@ -170,19 +170,12 @@ class MembersConnection:
             # each host's blocks on its data plane, then a RecvOp with that one piece
             recvs = []
             for m, plane, blocks in zip(self.members, planes, each):
-                tid = random.getrandbits(63) | 1
-                views = [codec.byte_view(_block(tensor, b)) for b in blocks]
-                try:
-                    plane.send(m.data_address, tid, views, same_host=m._same_host())
-                except OSError as e:
-                    m._check()
-                    raise WorkerLostError(f"a put on {m.where}: its data plane at "
-                                          f"{m.data_address} is unreachable ({e})") from None
+                tid = m.send_bulk(plane, [codec.byte_view(_block(tensor, b))
+                                          for b in blocks])
                 r = pb.RecvOp(buffer_id=bid, meta=meta, spec=spec_msg,
                               transfer_id=random.getrandbits(63) | 1)
-                r.pieces.add(transfer_id=tid, src_host="the client", blocks=[
-                    pb.ShardBlock(start=[a for a, _ in b], shape=[e - a for a, e in b])
-                    for b in blocks])
+                r.pieces.add(transfer_id=tid, src_host="the client",
+                             blocks=shard_blocks(blocks))
                 recvs.append(pb.Op(recv=r))
             return bid, self.send(PerMember(recvs))
         chunks = []
@@ -256,6 +249,12 @@ class MembersConnection:
     def close(self) -> None:
         for m in self.members:
             m.close()
+
+
+def shard_blocks(blocks) -> List[pb.ShardBlock]:
+    """Blocks ((start, stop) per dimension) as ShardBlock messages."""
+    return [pb.ShardBlock(start=[a for a, _ in b], shape=[e - a for a, e in b])
+            for b in blocks]
 
 
 def _block(tensor: torch.Tensor, block) -> torch.Tensor:

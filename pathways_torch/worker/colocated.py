@@ -81,17 +81,9 @@ def run_colocated_member(m, req):
     pb = m.pb
     inputs = []
     for bid in req.inputs:
-        try:
-            buf = m._wait_entry(bid, req.after_seq, req.timeout_s or 600.0)
-        except TimeoutError:
-            return pb.ColocatedReply(has_error=True, error=m._err(
-                "timeout", f"buffer {bid} not ready in {req.timeout_s} s"))
-        if buf is None:
-            return pb.ColocatedReply(has_error=True, error=m._err(
-                "unknown_buffer", f"buffer {bid} does not exist"))
-        m._check_ready(bid, buf)
-        if buf.error is not None:
-            return pb.ColocatedReply(has_error=True, error=buf.error)
+        buf, err = m._ready_buf(bid, req.after_seq, req.timeout_s)
+        if err is not None:
+            return pb.ColocatedReply(has_error=True, error=err)
         blocks = m.rt.local_blocks(buf.array)
         lo = [min(st[d] for st, _ in blocks) for d in range(len(blocks[0][0]))]
         hi = [max(st[d] + v.shape[d] for st, v in blocks) for d in range(len(lo))]
@@ -123,8 +115,7 @@ def run_colocated(ex, req):
         try:
             inputs.append(entry.tensor.cpu())
         except Exception as e:
-            return pb.ColocatedReply(has_error=True, error=ex._err(
-                "program", f"buffer {bid} failed on {ex.where}: {e}", req.fn))
+            return pb.ColocatedReply(has_error=True, error=ex._read_failed(entry, e))
         finally:
             ex.store.end_read(entry)
     out, err = _call(ex, req, inputs)

@@ -353,24 +353,23 @@ class DataPlane:
                     detail="shared memory" if flags else "socket")
 
     @classmethod
-    def _try_shm(cls, tid: int, views) -> str:
+    def _try_shm(cls, tid: int, views: list) -> str:
         """``_write_shm``, or "" when /dev/shm cannot take the bytes (a container's
         64 MiB default fills up): the caller sends them on the socket instead."""
         try:
             return cls._write_shm(tid, views)
         except OSError as e:
             log.warning("/dev/shm refused %d bytes (%s); they go on the socket",
-                        sum(len(v) for v in (views if isinstance(views, list) else [views])),
-                        e.strerror)
+                        sum(len(v) for v in views), e.strerror)
             return ""
 
     @staticmethod
-    def _write_shm(tid: int, views) -> str:
-        """Write ``views`` (one buffer or a list) to a fresh /dev/shm file; its path."""
+    def _write_shm(tid: int, views: list) -> str:
+        """Write ``views`` (buffers, one after the other) to a fresh /dev/shm file."""
         path = os.path.join(SHM_DIR, f"pw-{os.getpid()}-{tid}-{os.urandom(4).hex()}")
         try:
             with open(path, "wb") as f:
-                for v in views if isinstance(views, list) else [views]:
+                for v in views:
                     f.write(v)
         except OSError:
             try:

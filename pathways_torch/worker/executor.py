@@ -329,12 +329,16 @@ class ExecutorService(_make_servicer_base()):
                         nbytes=nbytes)
 
     def _fetch(self, request):
-        cpu, err = self._fetch_cpu(request)
+        entry, parts, err = self._read_parts(request)
         if err is not None:
             yield err
             return
-        data = codec.to_bytes(cpu)
-        meta = self.pb.TensorMeta(dtype=codec.dtype_name(cpu.dtype), shape=list(cpu.shape))
+        try:
+            data = b"".join(bytes(codec.byte_view(p)) for p in parts)
+        finally:
+            self.store.end_read(entry)
+        t = entry.tensor
+        meta = self.pb.TensorMeta(dtype=codec.dtype_name(t.dtype), shape=list(t.shape))
         for i, part in enumerate(codec.chunks(data)):
             yield self.pb.FetchChunk(meta=meta if i == 0 else None, data=bytes(part))
 
@@ -342,30 +346,40 @@ class ExecutorService(_make_servicer_base()):
         """A fetch on the data plane (see dataplane.py): (FetchChunk, payload views,
         same_host, release), ``release`` to be called once the views are sent."""
         from .dataplane import read_pull
-        pb = self.pb
         req, refused = read_pull(self, raw)
         if refused is not None:
             return refused, None, False, None
         rec = self.rec
         t0 = rec.now() if rec.on else 0
-        entry, err = self._readable(req)
+        entry, parts, err = self._read_parts(req)
         if err is not None:
             return err, None, False, None
-        try:
-            parts = self._host_parts(entry.tensor)
-        except Exception as e:  # an asynchronous execution failure surfaces here
-            self.store.end_read(entry)
-            what = f"program '{entry.origin}'" if entry.origin else "a put"
-            return pb.FetchChunk(has_error=True, error=self._err(
-                "program", f"{what} failed on {self.where}: {e}", entry.origin)), \
-                None, False, None
         t = entry.tensor
         if t0:
             rec.add("fetch", "fetch", t0, buffer_ids=(req.buffer_id,),
                     nbytes=codec.nbytes(t.dtype, tuple(t.shape)), detail="data plane")
-        meta = pb.TensorMeta(dtype=codec.dtype_name(t.dtype), shape=list(t.shape))
-        return (pb.FetchChunk(meta=meta), [codec.byte_view(p) for p in parts],
+        meta = self.pb.TensorMeta(dtype=codec.dtype_name(t.dtype), shape=list(t.shape))
+        return (self.pb.FetchChunk(meta=meta), [codec.byte_view(p) for p in parts],
                 req.same_host, lambda: self.store.end_read(entry))
+
+    def _read_parts(self, request):
+        """The buffer ``request`` names, held for reading (``end_read`` it after the
+        parts are used) and on the host (``_host_parts``): (entry, parts, None), or
+        (None, None, the FetchChunk that says why not)."""
+        entry, err = self._readable(request)
+        if err is not None:
+            return None, None, err
+        try:
+            return entry, self._host_parts(entry.tensor), None
+        except Exception as e:  # an asynchronous execution failure surfaces here
+            self.store.end_read(entry)
+            return None, None, self.pb.FetchChunk(has_error=True,
+                                                  error=self._read_failed(entry, e))
+
+    def _read_failed(self, entry, e: Exception, what: str = "a put"):
+        """The BufferError of a buffer whose producer failed (seen when it is read)."""
+        what = f"program '{entry.origin}'" if entry.origin else what
+        return self._err("program", f"{what} failed on {self.where}: {e}", entry.origin)
 
     def _host_parts(self, t) -> list:
         """The buffer's bytes on the host, as contiguous CPU tensors whose bytes, one
@@ -427,21 +441,6 @@ class ExecutorService(_make_servicer_base()):
             return None, pb.FetchChunk(has_error=True, error=self._err(
                 "donated", f"buffer {request.buffer_id} was donated to a program"))
         return entry, None
-
-    def _fetch_cpu(self, request):
-        """The buffer ``request`` names, on the CPU: (tensor, None) or (None, the
-        FetchChunk that says why not)."""
-        entry, err = self._readable(request)
-        if err is not None:
-            return None, err
-        try:
-            return entry.tensor.cpu(), None
-        except Exception as e:  # an asynchronous execution failure surfaces here
-            what = f"program '{entry.origin}'" if entry.origin else "a put"
-            return None, self.pb.FetchChunk(has_error=True, error=self._err(
-                "program", f"{what} failed on {self.where}: {e}", entry.origin))
-        finally:
-            self.store.end_read(entry)
 
     def Wait(self, request, context):
         self._authorize(context)
@@ -958,9 +957,7 @@ class ExecutorService(_make_servicer_base()):
                 else:
                     payload = [codec.byte_view(p) for p in self._host_parts(entry.tensor)]
         except Exception as e:
-            what = f"program '{entry.origin}'" if entry.origin else "a transfer"
-            error = self._err("program", f"{what} failed on {self.where}: {e}",
-                              entry.origin).SerializeToString()
+            error = self._read_failed(entry, e, "a transfer").SerializeToString()
             payload = None
         if t0:
             rec.add("transfer", "read for send", t0, program=entry.origin,

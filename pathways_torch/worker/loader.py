@@ -230,8 +230,8 @@ class HostLoader:
         read samples in parallel), each to the devices, each into ``ready``."""
         sp = self.spec
         dl = torch.utils.data.DataLoader(
-            _Rows(self.dataset, self.collate, sp.dataset, self.where, plan), batch_size=None, shuffle=False,
-            num_workers=sp.num_workers, collate_fn=_identity,
+            _Rows(self.dataset, self.collate, sp.dataset, self.where, plan),
+            batch_size=None, shuffle=False, num_workers=sp.num_workers, collate_fn=_identity,
             prefetch_factor=2 if sp.num_workers else None,
             persistent_workers=False)
         it = iter(dl)
@@ -239,16 +239,16 @@ class HostLoader:
             if stop.is_set():
                 return
             try:
-                samples_or_error = next(it)
+                loaded = next(it)
             except StopIteration:
                 return
             except Exception as e:
-                samples_or_error = f"loading batch {index} of epoch {epoch} on " \
+                loaded = f"loading batch {index} of epoch {epoch} on " \
                                    f"{self.where} failed: {type(e).__name__}: {e}"
-            if isinstance(samples_or_error, str):
-                b = _Batch(epoch, index, error=samples_or_error)
+            if isinstance(loaded, str):
+                b = _Batch(epoch, index, error=loaded)
             else:
-                b = self._place(epoch, index, samples_or_error)
+                b = self._place(epoch, index, loaded)
             while not stop.is_set():
                 try:
                     ready.put(b, timeout=0.2)

@@ -247,65 +247,55 @@ class MemberService(_make_servicer_base()):
     def Fetch(self, request, context):
         self._authorize(context)
         validate.guard(context, validate.check_timeout, request.timeout_s)
-        timeout = request.timeout_s or 600.0
         pb = self.pb
-        try:
-            buf = self._wait_entry(request.buffer_id, request.after_seq, timeout)
-        except TimeoutError:
-            yield pb.FetchChunk(has_error=True, error=self._err(
-                "timeout", f"buffer {request.buffer_id} not ready in {timeout} s"))
-            return
-        if buf is None:
-            yield pb.FetchChunk(has_error=True, error=self._err(
-                "unknown_buffer", f"buffer {request.buffer_id} does not exist"))
-            return
-        self._check_ready(request.buffer_id, buf)
-        if buf.error is not None:
-            yield pb.FetchChunk(has_error=True, error=buf.error)
-            return
-        dtype, shape = self.rt.aval(buf.array)
-        first = pb.FetchChunk()
-        first.meta.dtype = _dtype_name(dtype)
-        first.meta.shape.extend(shape)
-        parts = []
-        for start, value in (self.rt.local_blocks(buf.array) if request.local_shards
-                             else []):
-            first.blocks.add(start=list(start), shape=list(value.shape))
-            parts.append(value.tobytes())
         if not request.local_shards:
             # The whole value: only this member's shards exist here; say what to ask.
             yield pb.FetchChunk(has_error=True, error=self._err(
                 "input", "a member of a slice that spans hosts answers local_shards "
                 "fetches only"))
             return
-        data = b"".join(parts)
+        reply, views = self._local_reply(request)
+        if reply.has_error:
+            yield reply
+            return
+        data = b"".join(bytes(v) for v in views)
         from ..rpc.codec import CHUNK_BYTES
         pieces = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
-        first.data = pieces[0]
-        yield first
+        reply.data = pieces[0]
+        yield reply
         for p in pieces[1:]:
             yield pb.FetchChunk(data=p)
 
     def _on_pull(self, raw: bytes):
-        """A fetch of this host's shards on the data plane (dataplane.py): the reply
-        names the blocks, the payload is their bytes in that order."""
+        """A fetch of this host's shards on the data plane (dataplane.py)."""
         from .dataplane import read_pull
-        pb = self.pb
         req, refused = read_pull(self, raw)
         if refused is not None:
             return refused, None, False, None
+        reply, views = self._local_reply(req)
+        return reply, views, req.same_host, None
+
+    def _ready_buf(self, bid: int, after_seq: int, timeout: float):
+        """Buffer ``bid`` once computed or received: (buf, None), or (None, the
+        BufferError that says why not)."""
         try:
-            buf = self._wait_entry(req.buffer_id, req.after_seq, req.timeout_s or 600.0)
+            buf = self._wait_entry(bid, after_seq, timeout or 600.0)
         except TimeoutError:
-            return pb.FetchChunk(has_error=True, error=self._err(
-                "timeout", f"buffer {req.buffer_id} not ready in {req.timeout_s} s")), \
-                None, False, None
+            return None, self._err("timeout", f"buffer {bid} not ready in {timeout} s")
         if buf is None:
-            return pb.FetchChunk(has_error=True, error=self._err(
-                "unknown_buffer", f"buffer {req.buffer_id} does not exist")), None, False, None
-        self._check_ready(req.buffer_id, buf)
+            return None, self._err("unknown_buffer", f"buffer {bid} does not exist")
+        self._check_ready(bid, buf)
         if buf.error is not None:
-            return pb.FetchChunk(has_error=True, error=buf.error), None, False, None
+            return None, buf.error
+        return buf, None
+
+    def _local_reply(self, req):
+        """This host's shards of ``req``'s buffer: a FetchChunk naming their blocks
+        (or the buffer's error), and their bytes in that order."""
+        pb = self.pb
+        buf, err = self._ready_buf(req.buffer_id, req.after_seq, req.timeout_s)
+        if err is not None:
+            return pb.FetchChunk(has_error=True, error=err), []
         dtype, shape = self.rt.aval(buf.array)
         reply = pb.FetchChunk()
         reply.meta.dtype = _dtype_name(dtype)
@@ -314,7 +304,7 @@ class MemberService(_make_servicer_base()):
         for start, value in self.rt.local_blocks(buf.array):
             reply.blocks.add(start=list(start), shape=list(value.shape))
             views.append(memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
-        return reply, views, req.same_host, None
+        return reply, views
 
     def Wait(self, request, context):
         self._authorize(context)
