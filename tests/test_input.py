@@ -329,3 +329,37 @@ def test_a_pull_without_the_slice_key_is_refused(islands):
         reply, payload = _ClientPlane.get().pull(s.data_address, req.SerializeToString(), 10)
         assert reply.has_error and reply.error.kind == "permission" and payload is None
     assert torch.equal(a.torch(), a.torch())
+
+
+def test_pulls_outlive_connections_their_peer_closed(islands):
+    """A pooled connection that its peer closed while idle (a new executor may take a
+    released one's port) is replaced, not reported as a lost worker: CI once failed
+    that way. (test_spanning checks that a released slice's connections close.)"""
+    import socket
+    from pathways_torch.client.connection import _ClientPlane
+    plane, s, x = _ClientPlane.get(), islands[0], torch.randn(8)
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        dead = socket.create_connection(srv.getsockname())
+        srv.accept()[0].close()
+    plane._idle_pulls.setdefault(s.data_address, []).append(dead)   # taken first
+    a = pw.put(x, s)
+    assert torch.equal(a.torch(), x)
+    assert dead.fileno() == -1
+
+
+def test_a_failing_pull_handler_answers_with_an_error():
+    """A bug in serving a pull reaches the client as a typed answer, and the
+    connection stays usable."""
+    from pathways_torch.rpc import pathways_pb2 as pb
+    from pathways_torch.worker.dataplane import DataPlane
+    server, client = DataPlane("127.0.0.1", token=""), DataPlane("", token="", listen=False)
+    try:
+        server.on_pull = lambda raw: 1 / 0
+        req = pb.FetchRequest(buffer_id=1).SerializeToString()
+        for _ in range(2):
+            reply, payload = client.pull(server.address, req, 10)
+            assert reply.has_error and "ZeroDivisionError" in reply.error.message
+            assert payload is None
+    finally:
+        server.close()
+        client.close()

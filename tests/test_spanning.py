@@ -240,6 +240,9 @@ def test_moves_to_and_from_a_one_host_slice_reshard_host_to_host(wide, there, ba
         assert torch.equal(d.torch(), x)
     finally:
         small.release()
+    # its pooled pull connections went with it (a later executor may take its port)
+    from pathways_torch.client.connection import _ClientPlane
+    assert small.data_address and not _ClientPlane.get()._idle_pulls.get(small.data_address)
 
 
 def test_programs_mix_slices_and_reshard_in_place(wide):

@@ -674,6 +674,9 @@ class ExecutorConnection:
         self.closed = True
         self._q.put(_CLOSE)
         self._channel.close()
+        plane = _ClientPlane._plane
+        if self.data_address and plane:
+            plane.forget(self.data_address)
         self._unwatched()
         if self._aio is not None:
             import asyncio

@@ -161,6 +161,10 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+class _Stale(Exception):
+    """A pooled connection that the peer closed while it sat idle."""
+
+
 def _close_payload(arrival: "Arrival") -> None:
     if hasattr(arrival.payload, "close"):
         arrival.payload.close()
@@ -329,7 +333,13 @@ class DataPlane:
             reply, views, same_host = pb.FetchChunk(has_error=True, error=pb.BufferError(
                 kind="input", message="this data plane serves no pulls")), None, False
         else:
-            reply, views, same_host, release = self.on_pull(request)
+            try:
+                reply, views, same_host, release = self.on_pull(request)
+            except Exception as e:      # noqa: BLE001 (answer it; never drop the peer)
+                log.exception("data plane %s: a pull failed", self.address)
+                reply, views, same_host = pb.FetchChunk(has_error=True, error=pb.BufferError(
+                    kind="internal", message=f"serving a pull failed: "
+                    f"{type(e).__name__}: {e}")), None, False
         try:
             views = views or []
             nbytes = sum(len(v) for v in views)
@@ -538,22 +548,39 @@ class DataPlane:
         bytes); returns (FetchChunk, payload), the payload a fresh uint8 CPU tensor that
         owns its bytes (None for an error). Each pull holds a connection of its own;
         ``call.sock`` is set to it, so another thread can shut it to cancel the pull."""
-        import torch
-        from ..rpc import pathways_pb2 as pb
         with self._conns_lock:
             idle = self._idle_pulls.get(address)
             sock = idle.pop() if idle else None
-        if sock is None:
-            sock = self._dial(address)
+        if sock is not None:
+            try:
+                return self._pull_on(sock, address, request, timeout, call, reused=True)
+            except _Stale:
+                pass        # the peer closed it while idle: ask again on a fresh one
+        return self._pull_on(self._dial(address), address, request, timeout, call)
+
+    def _pull_on(self, sock: socket.socket, address: str, request: bytes, timeout: float,
+                 call, reused: bool = False):
+        """``pull`` on ``sock``; raises _Stale when a ``reused`` connection turns out
+        closed before any byte of the answer (a pull is a read: asking again is safe)."""
+        import torch
+        from ..rpc import pathways_pb2 as pb
         if call is not None:
             call.sock = sock
         ok = False
         try:
             tid = int.from_bytes(os.urandom(8), "little") >> 1 | 1
             sock.settimeout(timeout)
-            sock.sendall(HEADER.pack(MAGIC, tid, FLAG_PULL, 0, len(request)) + request)
             head = bytearray(HEADER.size)
-            _recv_exact(sock, memoryview(head))
+            try:
+                sock.sendall(HEADER.pack(MAGIC, tid, FLAG_PULL, 0, len(request)) + request)
+                k = sock.recv_into(head)
+            except (BrokenPipeError, ConnectionResetError):
+                k = 0
+            if k == 0:
+                if reused:
+                    raise _Stale()
+                raise ConnectionError("peer closed before answering")
+            _recv_exact(sock, memoryview(head)[k:])
             magic, got_tid, flags, nbytes, aux_len = HEADER.unpack(head)
             if magic != MAGIC or got_tid != tid or aux_len > MAX_AUX or nbytes > MAX_BYTES:
                 raise ConnectionError(f"the data plane at {address} answered a pull with "
@@ -580,6 +607,18 @@ class DataPlane:
                     self._idle_pulls.setdefault(address, []).append(sock)
             else:
                 sock.close()
+
+    def forget(self, address: str) -> None:
+        """Close the connections to ``address`` (a peer that is gone: a released
+        slice's executor). A new peer may later listen on the same port."""
+        with self._conns_lock:
+            c = self._conns.pop(address, None)
+            socks = self._idle_pulls.pop(address, [])
+        if c is not None:
+            with c[1]:
+                c[0].close()
+        for s in socks:
+            s.close()
 
     def close(self) -> None:
         self._closed = True
