@@ -70,7 +70,8 @@ def run_executor(req: dict) -> None:
 
 class _Program:
     __slots__ = ("name", "xla_name", "comp", "params", "constants", "out_specs", "out_bytes",
-                 "out_nbytes", "out_shards", "donate", "out_device_bytes", "in_avals")
+                 "out_nbytes", "out_shards", "donate", "out_device_bytes", "in_avals",
+                 "cached")
 
     def __init__(self, name, xla_name, comp, params, constants, out_specs):
         self.donate = ()
@@ -85,6 +86,10 @@ class _Program:
         self.params = params          # list of ("i", k) or ("c", k)
         self.constants = constants    # device tensors
         self.out_specs = out_specs    # list of spec tuples, or None
+        # (graph hash, feed) for torch_xla's _run_cached_graph: the compiled executable
+        # launched without re-tracing; feed: per HLO parameter, an input position (>= 0)
+        # or -1 and the constant's device tensor. None: trace each call.
+        self.cached = None
 
 
 def _make_servicer_base():
@@ -1002,15 +1007,18 @@ class ExecutorService(_make_servicer_base()):
             return out
 
         for attempt in range(2):
-            outs = self._run(prog, placeholders())
+            ph = placeholders()
+            outs = self._run(prog, ph)
+            plan = self._cached_plan(prog, ph, outs)
             prog.out_nbytes = [codec.nbytes(o.dtype, o.shape) for o in outs]
             prog.out_bytes = sum(prog.out_nbytes)
             # Not yet knowing the shardings, refuse only what no sharding could fit.
             if out_specs is None and prog.out_bytes > self.budget * len(self.mesh.device_ids):
                 raise MemoryError(self._oom_text(prog, prog.out_bytes))
             try:
-                if out_specs is not None:
-                    # Output shardings are given: compile only.
+                if out_specs is not None or plan is not None:
+                    # Output shardings are given (or trivial): compile only, under the
+                    # graph hash that _run_cached_graph looks up.
                     self.torch_xla._XLAC._xla_warm_up_cache(outs, [])
                 else:
                     # Run once on zeros to learn the shardings XLA's propagation chose.
@@ -1021,6 +1029,8 @@ class ExecutorService(_make_servicer_base()):
                 # these devices (that failure is its own program's, reported with it).
                 if attempt:
                     raise
+        if plan is not None:
+            prog.cached = self._check_plan(plan, ph, len(outs))
         reply = self.pb.CompileReply()
         for o in outs:
             spec, hlo = self._spec_of(o)
@@ -1041,6 +1051,33 @@ class ExecutorService(_make_servicer_base()):
             rec.add("compile", req.name, end - int(reply.compile_s * 1e9), end,
                     program=req.name)
         return reply
+
+    def _cached_plan(self, prog: _Program, ph: list, outs: list):
+        """How to launch ``prog``'s executable again without tracing it (before
+        ``outs`` are synced): its graph hash and where each HLO parameter comes from.
+        Tracing a call (``_xla_user_computation`` then a sync) costs ~35 µs here, a
+        cached launch ~24 µs (docs/architecture.md, Decision 20). Only for one-device
+        slices without donation: a sharded input whose layout differs from the
+        placeholder's, or a donated one, needs torch_xla's checks on each call."""
+        if self.spmd or prog.donate or os.environ.get("PATHWAYS_CACHED_LAUNCH") == "0":
+            return None
+        X = self.torch_xla._XLAC
+        try:
+            graph_hash = X._get_graph_hash(outs)
+            ids, values = X._get_tensors_xla_device_data_node(outs)
+        except Exception:       # noqa: BLE001 (an API this torch_xla lacks: trace)
+            return None
+        position = {X._xla_get_tensor_id(t): k for k, t in enumerate(ph)}
+        return graph_hash, [(position.get(i, -1), v) for i, v in zip(ids, values)]
+
+    def _check_plan(self, plan, ph: list, n_outs: int):
+        """``plan`` when one launch on the placeholders gives ``n_outs`` outputs."""
+        try:
+            got = self.torch_xla._XLAC._run_cached_graph(
+                plan[0], [ph[k] if k >= 0 else v for k, v in plan[1]])
+        except Exception:       # noqa: BLE001 (not in the cache after all: trace)
+            return None
+        return plan if len(got) == n_outs else None
 
     def _run(self, prog: _Program, inputs):
         args = [inputs[k] if src == "i" else prog.constants[k] for src, k in prog.params]
@@ -1106,6 +1143,11 @@ class ExecutorService(_make_servicer_base()):
                     # Profiling: run to completion, so the span is the device time.
                     outs = self._run(prog, inputs)
                     self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+                elif prog.cached is not None:
+                    # Asynchronous, as below, and without tracing the call again.
+                    outs = self.torch_xla._XLAC._run_cached_graph(
+                        prog.cached[0], [inputs[k] if k >= 0 else v
+                                         for k, v in prog.cached[1]])
                 else:
                     outs = self._run(prog, inputs)
                     # Asynchronous: the next op's host work overlaps this execution (~30
