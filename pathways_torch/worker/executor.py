@@ -28,6 +28,7 @@ from ..rpc import codec, validate
 from ..sharding import P, device_block, spec_candidates, spec_from_proto, spec_to_proto
 from .dataplane import listening
 from .memory import MemoryPlans, gib
+from .fused import Fusion
 from .store import Entry
 
 log = logging.getLogger("pathways.executor")
@@ -71,7 +72,7 @@ def run_executor(req: dict) -> None:
 class _Program:
     __slots__ = ("name", "xla_name", "comp", "params", "constants", "out_specs", "out_bytes",
                  "out_nbytes", "out_shards", "donate", "out_device_bytes", "in_avals",
-                 "cached")
+                 "cached", "hlo_bytes")
 
     def __init__(self, name, xla_name, comp, params, constants, out_specs):
         self.donate = ()
@@ -90,6 +91,7 @@ class _Program:
         # launched without re-tracing; feed: per HLO parameter, an input position (>= 0)
         # or -1 and the constant's device tensor. None: trace each call.
         self.cached = None
+        self.hlo_bytes = 0            # the size of its HLO (fused runs are capped by it)
 
 
 def _make_servicer_base():
@@ -162,6 +164,7 @@ class ExecutorService(_make_servicer_base()):
         self._sending: dict = {}
         self._sending_lock = threading.Lock()
         self._gang_next = 1             # the slice_seq of the next scheduled gang op
+        self._fusion = Fusion()         # which recorded graphs run fused (worker/fused.py)
         self._in_gang = False           # running a gang op inside one arbiter grant
         self.gang_positions: list = []  # island positions of the gang ops run, in order
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -597,13 +600,11 @@ class ExecutorService(_make_servicer_base()):
                     with self.arbiter.grant(gang=g.host_seq):
                         self._in_gang = True
                         try:
-                            for inner in g.ops:
-                                self._one(inner)
+                            self._gang_ops(g.ops)
                         finally:
                             self._in_gang = False
                 else:
-                    for inner in g.ops:
-                        self._one(inner)
+                    self._gang_ops(g.ops)
                 if t0:
                     rec.add("gang", "gang", t0,
                             detail=f"island position {g.position}, {len(g.ops)} ops")
@@ -613,6 +614,76 @@ class ExecutorService(_make_servicer_base()):
             log.error("op %s failed: %s", which, traceback.format_exc())
         if index:
             self.store.advance(index)
+
+    def _gang_ops(self, ops) -> None:
+        """A recorded graph's ops for this slice, in order. A graph this executor has
+        seen before runs its consecutive executions as one fused XLA computation
+        (worker/fused.py): traced one by one, launched once."""
+        seg = self._fusion.segment(ops, self.rec.on)
+        if seg is None:
+            for inner in ops:
+                self._one(inner)
+            return
+        for inner in ops:
+            if not self._fuse(seg, inner):
+                self._flush(seg)
+                self._one(inner)
+        self._flush(seg)
+
+    def _fuse(self, seg, op) -> bool:
+        """Add an execution to ``seg`` (traced, not launched); False for an op that must
+        run on its own: not an execution, donating, malformed, failing or too big."""
+        if op.WhichOneof("kind") != "execute":
+            return False
+        x = op.execute
+        prog = self.programs.get(x.program_id)
+        if prog is None or x.donate or not seg.takes(prog):
+            return False
+        store = self.store
+        look = seg.view(store.entries)
+        try:
+            validate.check_execute(x, prog, look)
+        except validate.InvalidMessage:
+            return False
+        inputs = []
+        for b in x.inputs:
+            e = look.get(b)
+            if e is None:
+                return False
+            self._resolve(e)
+            if e.error is not None or e.donated or e.tensor is None:
+                return False
+            inputs.append(e.tensor)
+        if store.device_bytes + seg.device_bytes + prog.out_device_bytes > self.budget:
+            return False
+        try:
+            outs = self._run(prog, inputs)
+        except Exception:       # noqa: BLE001 (run it alone: its error is reported there)
+            return False
+        if len(outs) != len(x.outputs):
+            return False
+        seg.add(prog, x.outputs, outs)
+        return True
+
+    def _flush(self, seg) -> None:
+        """Launch ``seg``'s traced executions as one computation; their outputs (or
+        its failure) enter the store only now, so no reader sees a traced tensor."""
+        if not seg.entries:
+            return
+        names = seg.names()
+        try:
+            self.torch_xla._XLAC._xla_sync_multi(seg.tensors(), [], wait=self._in_gang)
+        except Exception as e:  # noqa: BLE001
+            err = self._err("program", f"programs {names} (run fused, as a recorded "
+                            f"graph) failed on {self.where}: {type(e).__name__}: {e}",
+                            names)
+            for b in seg.entries:
+                self.store.put(b, Entry(error=err))
+        else:
+            for b, e in seg.entries.items():
+                self.store.put(b, e)
+            self.executed += seg.count
+        seg.clear()
 
     def _one(self, op) -> None:
         which = op.WhichOneof("kind")
@@ -992,6 +1063,7 @@ class ExecutorService(_make_servicer_base()):
                      if req.has_out_specs else None)
         prog = _Program(req.name, xla_name, comp, params, constants, out_specs)
         prog.donate = tuple(req.donate)
+        prog.hlo_bytes = len(req.hlo)
         prog.in_avals = [(codec.dtype_from_name(m.dtype), tuple(m.shape))
                          for m in req.inputs]
 
@@ -1068,7 +1140,12 @@ class ExecutorService(_make_servicer_base()):
         except Exception:       # noqa: BLE001 (an API this torch_xla lacks: trace)
             return None
         position = {X._xla_get_tensor_id(t): k for k, t in enumerate(ph)}
-        return graph_hash, [(position.get(i, -1), v) for i, v in zip(ids, values)]
+        feed = [(position.get(i, -1), v) for i, v in zip(ids, values)]
+        # Every input must be a parameter of the graph: torch_xla folds a scalar 0 or 1
+        # (a "special scalar", such as a zero placeholder) into a constant.
+        if sorted(k for k, _ in feed if k >= 0) != list(range(len(ph))):
+            return None
+        return graph_hash, feed
 
     def _check_plan(self, plan, ph: list, n_outs: int):
         """``plan`` when one launch on the placeholders gives ``n_outs`` outputs."""
