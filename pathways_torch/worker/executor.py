@@ -28,7 +28,7 @@ from ..rpc import codec, validate
 from ..sharding import P, device_block, spec_candidates, spec_from_proto, spec_to_proto
 from .dataplane import listening
 from .memory import MemoryPlans, gib
-from .fused import Fusion
+from .fused import Fusion, Segment
 from .store import Entry
 
 log = logging.getLogger("pathways.executor")
@@ -72,7 +72,7 @@ def run_executor(req: dict) -> None:
 class _Program:
     __slots__ = ("name", "xla_name", "comp", "params", "constants", "out_specs", "out_bytes",
                  "out_nbytes", "out_shards", "donate", "out_device_bytes", "in_avals",
-                 "cached", "hlo_bytes")
+                 "cached", "hlo_bytes", "out_avals", "program_id")
 
     def __init__(self, name, xla_name, comp, params, constants, out_specs):
         self.donate = ()
@@ -92,6 +92,8 @@ class _Program:
         # or -1 and the constant's device tensor. None: trace each call.
         self.cached = None
         self.hlo_bytes = 0            # the size of its HLO (fused runs are capped by it)
+        self.out_avals = []           # (torch dtype, shape) of each output
+        self.program_id = ""
 
 
 def _make_servicer_base():
@@ -626,64 +628,100 @@ class ExecutorService(_make_servicer_base()):
             return
         for inner in ops:
             if not self._fuse(seg, inner):
-                self._flush(seg)
+                if seg.count:
+                    self._flush(seg)
+                    seg = Segment()
                 self._one(inner)
         self._flush(seg)
 
     def _fuse(self, seg, op) -> bool:
-        """Add an execution to ``seg`` (traced, not launched); False for an op that must
-        run on its own: not an execution, donating, malformed, failing or too big."""
+        """Add an execution to ``seg`` (launched at ``_flush``); False for an op that
+        must run on its own: not an execution, donating, malformed or too big."""
         if op.WhichOneof("kind") != "execute":
             return False
         x = op.execute
         prog = self.programs.get(x.program_id)
         if prog is None or x.donate or not seg.takes(prog):
             return False
-        store = self.store
-        look = seg.view(store.entries)
-        try:
-            validate.check_execute(x, prog, look)
-        except validate.InvalidMessage:
+        # What validate.check_execute checks, on the segment's outputs too; anything
+        # odd runs alone, where it is checked and reported.
+        entries, made = self.store.entries, seg.avals
+        outputs, avals = x.outputs, prog.in_avals
+        if len(x.inputs) != len(avals) or len(outputs) != len(prog.out_avals):
             return False
-        inputs = []
-        for b in x.inputs:
-            e = look.get(b)
-            if e is None:
+        for b in outputs:
+            if b in made or b in entries:
                 return False
-            self._resolve(e)
-            if e.error is not None or e.donated or e.tensor is None:
+        if len(outputs) > 1 and len(set(outputs)) != len(outputs):
+            return False
+        sources = []
+        for b, aval in zip(x.inputs, avals):
+            here = seg.produced(b)
+            if here is not None:
+                if made[b] != aval:
+                    return False
+                sources.append(here)
+                continue
+            e = entries.get(b)
+            if e is None or e.pending is not None or e.error is not None or e.donated:
                 return False
-            inputs.append(e.tensor)
-        if store.device_bytes + seg.device_bytes + prog.out_device_bytes > self.budget:
+            t = e.tensor
+            if t is None or t.dtype != aval[0] or t.shape != aval[1]:
+                return False
+            sources.append(seg.source(b, t))
+        if self.store.device_bytes + seg.device_bytes + prog.out_device_bytes > self.budget:
             return False
-        try:
-            outs = self._run(prog, inputs)
-        except Exception:       # noqa: BLE001 (run it alone: its error is reported there)
-            return False
-        if len(outs) != len(x.outputs):
-            return False
-        seg.add(prog, x.outputs, outs)
+        seg.add(prog, tuple(sources), outputs)
         return True
 
     def _flush(self, seg) -> None:
-        """Launch ``seg``'s traced executions as one computation; their outputs (or
-        its failure) enter the store only now, so no reader sees a traced tensor."""
-        if not seg.entries:
+        """Launch ``seg``'s executions as one computation: its cached executable when
+        this run was launched before, else traced (and its launch plan kept). Their
+        outputs (or the failure) enter the store only now."""
+        if not seg.count:
             return
-        names = seg.names()
+        X = self.torch_xla._XLAC
+        key = tuple(seg.key)
+        plans = self._fusion.plans
         try:
-            self.torch_xla._XLAC._xla_sync_multi(seg.tensors(), [], wait=self._in_gang)
+            plan = plans.get(key)
+            if plan is not None:
+                outs = X._run_cached_graph(plan[0], [seg.ext[k] if k >= 0 else v
+                                                     for k, v in plan[1]])
+            else:
+                outs, starts = [], []
+                for prog, sources, _ in seg.ops:
+                    args = [seg.ext[s] if s.__class__ is int else outs[starts[s[0]] + s[1]]
+                            for s in sources]
+                    starts.append(len(outs))
+                    outs.extend(self._run(prog, args))
+                if key not in plans:
+                    plans[key] = plan = (None if self.spmd else
+                                         self._plan_of(outs, seg.ext))
+                if plan is not None:
+                    X._xla_warm_up_cache(outs, [])
+                    outs = X._run_cached_graph(plan[0], [seg.ext[k] if k >= 0 else v
+                                                         for k, v in plan[1]])
+                else:
+                    X._xla_sync_multi(outs, [], wait=False)
+            if self._in_gang:
+                X._xla_wait_device_ops([])
         except Exception as e:  # noqa: BLE001
+            names = seg.names()
             err = self._err("program", f"programs {names} (run fused, as a recorded "
                             f"graph) failed on {self.where}: {type(e).__name__}: {e}",
                             names)
-            for b in seg.entries:
+            for b, _ in seg.outputs():
                 self.store.put(b, Entry(error=err))
-        else:
-            for b, e in seg.entries.items():
-                self.store.put(b, e)
-            self.executed += seg.count
-        seg.clear()
+            return
+        put = self.store.put
+        at = 0
+        for prog, _, ids in seg.ops:
+            for b, o, n, k in zip(ids, outs[at:at + len(ids)], prog.out_nbytes,
+                                  prog.out_shards):
+                put(b, Entry(o, None, n, prog.name, None, k))
+            at += len(ids)
+        self.executed += seg.count
 
     def _one(self, op) -> None:
         which = op.WhichOneof("kind")
@@ -1064,6 +1102,7 @@ class ExecutorService(_make_servicer_base()):
         prog = _Program(req.name, xla_name, comp, params, constants, out_specs)
         prog.donate = tuple(req.donate)
         prog.hlo_bytes = len(req.hlo)
+        prog.program_id = req.program_id
         prog.in_avals = [(codec.dtype_from_name(m.dtype), tuple(m.shape))
                          for m in req.inputs]
 
@@ -1083,6 +1122,7 @@ class ExecutorService(_make_servicer_base()):
             outs = self._run(prog, ph)
             plan = self._cached_plan(prog, ph, outs)
             prog.out_nbytes = [codec.nbytes(o.dtype, o.shape) for o in outs]
+            prog.out_avals = [(o.dtype, tuple(o.shape)) for o in outs]
             prog.out_bytes = sum(prog.out_nbytes)
             # Not yet knowing the shardings, refuse only what no sharding could fit.
             if out_specs is None and prog.out_bytes > self.budget * len(self.mesh.device_ids):
@@ -1131,7 +1171,14 @@ class ExecutorService(_make_servicer_base()):
         cached launch ~24 µs (docs/architecture.md, Decision 20). Only for one-device
         slices without donation: a sharded input whose layout differs from the
         placeholder's, or a donated one, needs torch_xla's checks on each call."""
-        if self.spmd or prog.donate or os.environ.get("PATHWAYS_CACHED_LAUNCH") == "0":
+        if self.spmd or prog.donate:
+            return None
+        return self._plan_of(outs, ph)
+
+    def _plan_of(self, outs: list, inputs: list):
+        """(graph hash, feed) of the traced ``outs`` whose graph parameters are
+        ``inputs`` (device data) and constants; None when some input is not one."""
+        if os.environ.get("PATHWAYS_CACHED_LAUNCH") == "0":
             return None
         X = self.torch_xla._XLAC
         try:
@@ -1139,11 +1186,11 @@ class ExecutorService(_make_servicer_base()):
             ids, values = X._get_tensors_xla_device_data_node(outs)
         except Exception:       # noqa: BLE001 (an API this torch_xla lacks: trace)
             return None
-        position = {X._xla_get_tensor_id(t): k for k, t in enumerate(ph)}
+        position = {X._xla_get_tensor_id(t): k for k, t in enumerate(inputs)}
         feed = [(position.get(i, -1), v) for i, v in zip(ids, values)]
         # Every input must be a parameter of the graph: torch_xla folds a scalar 0 or 1
         # (a "special scalar", such as a zero placeholder) into a constant.
-        if sorted(k for k, _ in feed if k >= 0) != list(range(len(ph))):
+        if sorted(k for k, _ in feed if k >= 0) != list(range(len(inputs))):
             return None
         return graph_hash, feed
 
@@ -1193,14 +1240,16 @@ class ExecutorService(_make_servicer_base()):
             err = None
         if err is None and prog.out_device_bytes > self.budget:
             err = self._err("oom", self._oom_text(prog, prog.out_device_bytes), prog.name)
-        donated = [k for k in op.donate
-                   if k < len(op.inputs) and list(op.inputs).count(op.inputs[k]) == 1]
+        donated = [k for k in op.donate if k < len(op.inputs) and
+                   list(op.inputs).count(op.inputs[k]) == 1] if op.donate else ()
         if err is None:
             # Donated inputs' memory becomes the outputs'.
             need = prog.out_device_bytes - sum(entries[k].nbytes // entries[k].shards
                                                for k in donated)
-            err = self._make_room(need, f"program '{prog.name}'", set(op.inputs), prog.name)
-        if err is None:
+            if need > 0 and self.store.device_bytes + need > self.budget:
+                err = self._make_room(need, f"program '{prog.name}'", set(op.inputs),
+                                      prog.name)
+        if err is None and donated:
             for k in donated:
                 self.store.donate(entries[k])
             self._mark_donated(inputs, donated)

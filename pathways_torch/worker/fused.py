@@ -31,60 +31,61 @@ MAX_SIGNATURES = 64         # distinct fused graphs (compiles) per executor
 
 
 class Segment:
-    """The executions traced so far and not yet launched: their outputs by buffer id."""
+    """The executions gathered so far and not yet launched, with their wiring: which
+    inputs come from the store (``ext``) and which from earlier executions here."""
 
-    __slots__ = ("entries", "_tensors", "device_bytes", "count", "hlo_bytes", "_names")
+    __slots__ = ("ops", "ext", "_ext_ids", "avals", "key", "device_bytes", "count",
+                 "hlo_bytes", "_names", "_where")
 
     def __init__(self) -> None:
-        self.entries: Dict[int, object] = {}   # buffer id -> store.Entry (traced tensor)
-        self._tensors: list = []
+        self.ops: list = []         # (program, input sources, output ids)
+        self.ext: list = []         # store tensors the run reads, in first-use order
+        self._ext_ids: dict = {}    # buffer id -> index in ext
+        self.avals: dict = {}       # output id here -> (dtype, shape)
+        self._where: dict = {}      # output id here -> (execution, output) index
+        self.key: list = []         # programs and wiring: equal keys, equal graphs
         self._names: dict = {}
-        self.device_bytes = 0
-        self.count = 0
-        self.hlo_bytes = 0
+        self.device_bytes = self.count = self.hlo_bytes = 0
 
     def takes(self, prog) -> bool:
         """Whether ``prog`` may join (caps on programs and HLO bytes)."""
         return (self.count < MAX_PROGRAMS and
                 self.hlo_bytes + prog.hlo_bytes <= MAX_HLO_BYTES)
 
-    def add(self, prog, outputs, outs) -> None:
-        from .store import Entry
-        for b, o, n, k in zip(outputs, outs, prog.out_nbytes, prog.out_shards):
-            self.entries[b] = Entry(o, None, n, prog.name, None, k)
-        self._tensors.extend(outs)
+    def source(self, buffer_id: int, tensor) -> int:
+        """The index of a store tensor among ``ext`` (added on first use)."""
+        k = self._ext_ids.get(buffer_id)
+        if k is None:
+            k = self._ext_ids[buffer_id] = len(self.ext)
+            self.ext.append(tensor)
+        return k
+
+    def produced(self, buffer_id: int):
+        """(execution index, output index) of an output made here, else None."""
+        return self._where.get(buffer_id)
+
+    def add(self, prog, sources: tuple, outputs) -> None:
+        """``sources``: per input, an index into ``ext`` (int) or the (execution,
+        output) pair here that makes it."""
+        k = len(self.ops)
+        self.ops.append((prog, sources, tuple(outputs)))
+        for j, (b, aval) in enumerate(zip(outputs, prog.out_avals)):
+            self.avals[b] = aval
+            self._where[b] = (k, j)
+        self.key.append((prog.program_id, sources))
         self.device_bytes += prog.out_device_bytes
         self.hlo_bytes += prog.hlo_bytes
         self.count += 1
         self._names[prog.name] = None
 
-    def tensors(self) -> list:
-        return self._tensors
+    def outputs(self):
+        """(output id, program) of every execution, in order."""
+        for prog, _, outs in self.ops:
+            for b in outs:
+                yield b, prog
 
     def names(self) -> str:
         return ", ".join(f"'{n}'" for n in self._names)
-
-    def view(self, store_entries: dict) -> "_View":
-        """The store's entries with this segment's on top (for lookups and checks)."""
-        return _View(self.entries, store_entries)
-
-    def clear(self) -> None:
-        self.entries, self._tensors, self._names = {}, [], {}
-        self.device_bytes = self.count = self.hlo_bytes = 0
-
-
-class _View:
-    __slots__ = ("_top", "_under")
-
-    def __init__(self, top: dict, under: dict) -> None:
-        self._top, self._under = top, under
-
-    def get(self, key, default=None):
-        e = self._top.get(key)
-        return e if e is not None else self._under.get(key, default)
-
-    def __contains__(self, key) -> bool:
-        return key in self._top or key in self._under
 
 
 class Fusion:
@@ -93,6 +94,9 @@ class Fusion:
     def __init__(self) -> None:
         self._seen: set = set()
         self._fused: set = set()
+        # a fused run's key -> (graph hash, feed) for _run_cached_graph, or None when
+        # it cannot be launched that way (it is traced each time)
+        self.plans: Dict[tuple, Optional[tuple]] = {}
         self.enabled = os.environ.get("PATHWAYS_FUSE", "1") != "0"
 
     def segment(self, ops, profiling: bool) -> Optional[Segment]:

@@ -37,6 +37,10 @@ class ObjectStore:
         self._done_out_of_order: set = set()
         self.bytes = 0
         self.noting = False         # a watermark subscriber wants ``take_noted``
+        # The op counts readers wait for: ``advance`` wakes them only when one is reached
+        # (waking every reader on every op cost ~20 µs of CPU an op while a Wait was
+        # pending: docs/architecture.md, Decision 20).
+        self._wanted: list = []
         self._noted: list = []      # ids put failed or pending since the last take
 
     def start_noting(self) -> None:
@@ -88,7 +92,8 @@ class ObjectStore:
                 while self.processed + 1 in self._done_out_of_order:
                     self.processed += 1
                     self._done_out_of_order.discard(self.processed)
-                self.cond.notify_all()
+                if self._wanted and self.processed >= min(self._wanted):
+                    self.cond.notify_all()
             elif index > self.processed:
                 self._done_out_of_order.add(index)
 
@@ -118,8 +123,17 @@ class ObjectStore:
         Raises TimeoutError past ``timeout`` seconds.
         """
         with self.cond:
-            ok = self.cond.wait_for(
-                lambda: buffer_id in self.entries or self.processed >= after_seq, timeout)
+            e = self.entries.get(buffer_id)
+            if e is not None or self.processed >= after_seq:
+                return e
+            # the op that creates the buffer (its after_seq) puts it before it advances
+            self._wanted.append(after_seq)
+            try:
+                ok = self.cond.wait_for(
+                    lambda: buffer_id in self.entries or self.processed >= after_seq,
+                    timeout)
+            finally:
+                self._wanted.remove(after_seq)
             if not ok:
                 raise TimeoutError
             return self.entries.get(buffer_id)
