@@ -1,4 +1,5 @@
-"""Shared helpers for the benchmarks: medians, JSON output, raw-TCP baseline."""
+"""Shared helpers for the benchmarks: medians, interleaved rounds and their per-round
+ratios, JSON output, raw-TCP baseline."""
 
 from __future__ import annotations
 
@@ -16,6 +17,55 @@ MIB = 1 << 20
 
 def median(xs):
     return statistics.median(xs)
+
+
+# Rounds from which a ratio's spread is its interquartile range instead of min-max.
+IQR_FROM = 7
+
+
+def ratio_summary(subject, baseline=None, digits: int = 3) -> dict:
+    """The headline form of a ratio measured in paired rounds.
+
+    ``subject[i] / baseline[i]`` is round i's ratio (with ``baseline=None``, ``subject``
+    already holds the per-round ratios). Returns ``{"median", "lo", "hi", "rounds",
+    "spread", "per_round"}``: the median of the per-round ratios (never a ratio of
+    medians), and their spread: min-max when there are fewer than ``IQR_FROM`` (7) rounds,
+    the interquartile range (25th-75th percentile, ``statistics.quantiles`` inclusive)
+    from 7 rounds up; ``spread`` says which ("min-max" or "iqr"). The report calls a bar
+    met or not met only when the whole spread lies on one side of it.
+    """
+    rs = list(subject) if baseline is None else [s / b for s, b in zip(subject, baseline)]
+    if baseline is not None and len(subject) != len(baseline):
+        raise ValueError(f"{len(subject)} subject rounds against {len(baseline)} baseline")
+    if not rs:
+        raise ValueError("no rounds")
+    if len(rs) >= IQR_FROM:
+        q = statistics.quantiles(rs, n=4, method="inclusive")
+        lo, hi, how = q[0], q[2], "iqr"
+    else:
+        lo, hi, how = min(rs), max(rs), "min-max"
+    return {"median": round(statistics.median(rs), digits), "lo": round(lo, digits),
+            "hi": round(hi, digits), "rounds": len(rs), "spread": how,
+            "per_round": [round(r, digits) for r in rs]}
+
+
+def interleaved(cases: dict, rounds: int, warmup: int = 0, between=None) -> dict:
+    """Run every case of ``cases`` (name -> callable returning one measurement) once per
+    round, for ``rounds`` rounds: in the given order on even rounds and reversed on odd
+    ones (A,B then B,A), so warm-up and drift weigh on baseline and subject alike.
+    ``warmup`` rounds run first and are dropped; ``between(r)``, if given, runs before
+    round r. Returns name -> list of measurements, one per round, index-aligned across
+    cases (pair them with ``ratio_summary``)."""
+    out = {name: [] for name in cases}
+    order = list(cases)
+    for r in range(-warmup, rounds):
+        if between is not None and r >= 0:
+            between(r)
+        for name in (order if r % 2 == 0 else order[::-1]):
+            m = cases[name]()
+            if r >= 0:
+                out[name].append(m)
+    return out
 
 
 def emit(result: dict) -> None:

@@ -1,7 +1,8 @@
 """Paper Figure 5: dispatch overhead of OpByOp, Chained and Fused, on one worker.
 
 A chain of --steps tiny computations (``y + 1`` on 8x8 float32), each consuming the
-previous result, measured in one run, alternating, medians of --runs:
+previous result, measured in one run in --runs interleaved rounds (every variant once
+per round, the order reversed every other round, after one dropped warm-up round):
 
 - ``in_process``: plain lazy torch_xla in this process: ``y = y + 1; torch_xla.sync()``.
 - ``op_by_op``: one ``@pw.program`` call per computation.
@@ -11,8 +12,11 @@ previous result, measured in one run, alternating, medians of --runs:
 - ``ray``: a Ray actor holding the tensor, one chained ``.remote()`` call per
   computation (only if Ray is installed: ``make bench`` installs it).
 
-Prints one JSON object: µs per computation for each, and ratios to in-process and Ray.
-    python bench/fig5_dispatch_overhead.py [--steps 1024] [--block 128] [--runs 5]
+Prints one JSON object: µs per computation for each (medians over rounds), and
+``*_over_in_process``: the median of the per-round ratios to in-process with their spread
+(``common.ratio_summary``). Ray runs before the cluster starts (so the two never share
+the CPUs), not interleaved: ``*_over_ray`` divide each round's time by Ray's median.
+    python bench/fig5_dispatch_overhead.py [--steps 1024] [--block 128] [--runs 15]
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import emit, in_process_chain_us, median, ray_init
+from common import emit, in_process_chain_us, interleaved, median, ratio_summary, ray_init
 
 import torch  # noqa: E402
 
@@ -115,7 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=1024)
     ap.add_argument("--block", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--no-ray", action="store_true")
     args = ap.parse_args()
     ray_us = None if args.no_ray else ray_chain(args.steps)
@@ -123,27 +127,28 @@ def main() -> None:
     try:
         s = pw.slice((1,))
         prog = make_fused(args.block)
-        in_process_chain_us(50), op_by_op(s, 50), chained(s, args.block, args.block)
+        # warm-up; a recorded graph runs fused (one compile) from its second submission
+        in_process_chain_us(50), op_by_op(s, 50), chained(s, 2 * args.block, args.block)
         fused(s, args.block, args.block, prog)
-        res = {"in_process": [], "op_by_op": [], "chained": [], "fused": []}
-        for _ in range(args.runs):
-            res["in_process"].append(in_process_chain_us(args.steps))
-            res["op_by_op"].append(op_by_op(s, args.steps))
-            res["chained"].append(chained(s, args.steps, args.block))
-            res["fused"].append(fused(s, args.steps, args.block, prog))
+        res = interleaved({
+            "in_process": lambda: in_process_chain_us(args.steps),
+            "op_by_op": lambda: op_by_op(s, args.steps),
+            "chained": lambda: chained(s, args.steps, args.block),
+            "fused": lambda: fused(s, args.steps, args.block, prog)}, args.runs, warmup=1)
     finally:
         pw.shutdown()
     med = {k: median(v) for k, v in res.items()}
     out = {"benchmark": "fig5_dispatch_overhead", "steps": args.steps, "block": args.block,
-           "runs": args.runs}
+           "runs": args.runs, "rounds": args.runs}
     for k, v in med.items():
         out[f"{k}_us"] = round(v, 1)
     for k in ("op_by_op", "chained", "fused"):
-        out[f"{k}_over_in_process"] = round(med[k] / med["in_process"], 3)
+        out[f"{k}_over_in_process"] = ratio_summary(res[k], res["in_process"])
     if ray_us is not None:
         out["ray_actor_us"] = round(ray_us, 1)
-        out["chained_over_ray"] = round(med["chained"] / ray_us, 3)
-        out["op_by_op_over_ray"] = round(med["op_by_op"] / ray_us, 3)
+        out["ray_interleaved"] = False
+        for k in ("chained", "op_by_op"):
+            out[f"{k}_over_ray"] = ratio_summary([t / ray_us for t in res[k]])
     emit(out)
 
 
