@@ -13,9 +13,12 @@ are submitted back to back and timed until the last result exists:
   numpy 8x8 instead of XLA (only if Ray is installed: ``make bench`` installs it; run
   before the cluster starts, so the two never share the CPUs).
 
-Prints one JSON object: computations per second (median of --runs) per K and mode, and
-the parallel/sequential and parallel/Ray ratios.
-    python bench/fig7_parallel_dispatch.py [--hosts 16] [--chains 20] [--runs 3] [--no-ray]
+For each K, --runs interleaved rounds of parallel and sequential (the order reversed every
+other round). Prints one JSON object: computations per second (medians over rounds) per
+K and mode; ``ratio``: parallel/sequential, the median of the per-round ratios with
+their spread (``common.ratio_summary``); ``parallel_over_ray``: each round's parallel
+rate over Ray's median (Ray runs apart, before the cluster: not interleaved).
+    python bench/fig7_parallel_dispatch.py [--hosts 16] [--chains 20] [--runs 5] [--no-ray]
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import emit, median, ray_init
+from common import emit, interleaved, median, ratio_summary, ray_init
 
 import torch  # noqa: E402
 
@@ -95,7 +98,7 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=16)
     ap.add_argument("--stages", default="1,2,4,8,16")
     ap.add_argument("--chains", type=int, default=20)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-ray", action="store_true")
     args = ap.parse_args()
     ks = [int(k) for k in args.stages.split(",")]
@@ -110,20 +113,21 @@ def main() -> None:
             run_chains(slices, k, 1, "parallel")
         rows = {}
         for k in ks:
-            par, seq = [], []
-            for _ in range(args.runs):
-                par.append(run_chains(slices, k, args.chains, "parallel"))
-                seq.append(run_chains(slices, k, args.chains, "sequential"))
+            res = interleaved({m: (lambda m=m: run_chains(slices, k, args.chains, m))
+                               for m in ("parallel", "sequential")}, args.runs)
+            par, seq = res["parallel"], res["sequential"]
             rows[k] = {"parallel_per_s": round(median(par), 1),
                        "sequential_per_s": round(median(seq), 1),
-                       "ratio": round(median(par) / median(seq), 2)}
+                       "ratio": ratio_summary(par, seq)}
             if ray_rates:
                 rows[k]["ray_per_s"] = round(ray_rates[k], 1)
-                rows[k]["parallel_over_ray"] = round(median(par) / ray_rates[k], 2)
+                rows[k]["parallel_over_ray"] = ratio_summary([p / ray_rates[k]
+                                                              for p in par])
     finally:
         pw.shutdown()
     emit({"benchmark": "fig7_parallel_dispatch", "hosts": args.hosts, "chains": args.chains,
-          "runs": args.runs, "cluster_startup_s": round(startup, 1),
+          "runs": args.runs, "rounds": args.runs, "ray_interleaved": False,
+          "cluster_startup_s": round(startup, 1),
           "stages": {str(k): v for k, v in rows.items()}})
 
 

@@ -12,8 +12,8 @@ three ways, in turn:
 - ``host2``: ``pw.DataLoader`` on two hosts (a MultiIsland trainer over islands 0 and
   1): each host loads half of every batch.
 
-Reports samples/s (median over rounds), the per-round ratios to ``client`` with their
-range, and the client process's CPU time per batch. Every loader (the client's and the
+Reports samples/s (median over rounds), the median of the per-round ratios to ``client``
+with their spread (``common.ratio_summary``), and the client process's CPU time per batch. Every loader (the client's and the
 hosts') has ``--workers`` worker processes. On one machine the "hosts" share its cores
 with the client, so the ratios here understate what separate hosts give; the client's
 CPU per batch is what does not depend on that.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import emit, median
+from common import emit, median, ratio_summary
 
 import torch  # noqa: E402
 
@@ -106,9 +106,7 @@ def main() -> None:
         pw.shutdown()
 
     def ratio(way):
-        rs = sorted(a / b for a, b in zip(rates[way], rates["client"]))
-        return {"median": round(median(rs), 3), "min": round(rs[0], 3),
-                "max": round(rs[-1], 3)}
+        return ratio_summary(rates[way], rates["client"])
 
     emit({"benchmark": "input_pipelines", "rounds": args.rounds, "steps": args.steps,
           "image": args.image, "batch": args.batch, "workers": args.workers,

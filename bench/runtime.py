@@ -5,13 +5,14 @@
   ``cold_process_s``: a fresh Python process that imports torch + torch_xla and
   creates its first device (what an executor would cost without the zygote).
 - Bulk bytes, client <-> a 2-device slice (64 MiB of float32), each round measuring
-  in turn raw TCP on loopback (``sendall`` into ``recv_into``), then ``pw.put`` +
+  in turn raw TCP on loopback (``sendall`` into ``recv_into``; first in even rounds,
+  last in odd ones) and ``pw.put`` +
   wait and ``Array.torch()`` by three paths: the data plane through /dev/shm (what a
   client on the workers' machine gets), the data plane's socket (``PATHWAYS_SHM=0``:
   what a client on another machine gets), and the old control stream (4 MiB protobuf
   chunks, forced by raising ``PUT_MIN_BYTES``/``FETCH_MIN_BYTES``); a replicated tensor, and
   (``*_sharded``) one split over the 2 devices. ``*_over_tcp`` are medians of
-  the per-round ratios, with their range. ``device_put_gbps``/``device_fetch_gbps``:
+  the per-round ratios, with their spread (``common.ratio_summary``). ``device_put_gbps``/``device_fetch_gbps``:
   torch_xla's own host<->device copies of the same tensor in the executor (the floor
   every path pays). ``small_round_trips``: put + wait and fetch of 16 KiB to 1 MiB on
   the stream and on the data plane, in µs (where the threshold between them sits).
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from common import MIB, emit, median, tcp_gbps
+from common import MIB, emit, median, ratio_summary, tcp_gbps
 
 import torch  # noqa: E402
 
@@ -142,7 +143,8 @@ def main() -> None:
             alloc.append((time.perf_counter() - t0) * 1e3)
             if r == 0:
                 put_fetch(s, x)          # first-use costs (connections, compiles)
-            tcp.append(tcp_gbps(nbytes))
+            if r % 2 == 0:                  # raw TCP first in even rounds, last in odd
+                tcp.append(tcp_gbps(nbytes))
             order = list(PATHS) if r % 2 == 0 else list(reversed(PATHS))
             for path in order:
                 shm, least, spec = PATHS[path]
@@ -153,6 +155,8 @@ def main() -> None:
                 rates[path][1].append(fetch)
             os.environ.pop("PATHWAYS_SHM", None)
             set_least(None)
+            if r % 2 == 1:
+                tcp.append(tcp_gbps(nbytes))
             if r == args.runs - 1:
                 small = latencies(s, 15)
             s.release()
@@ -163,11 +167,9 @@ def main() -> None:
         pw.shutdown()
 
     def ratio(xs):
-        rs = sorted(a / b for a, b in zip(xs, tcp))
-        return {"median": round(median(rs), 3), "min": round(rs[0], 3),
-                "max": round(rs[-1], 3)}
+        return ratio_summary(xs, tcp)
 
-    out = {"benchmark": "runtime_costs", "runs": args.runs, "payload_mib": args.mib,
+    out = {"benchmark": "runtime_costs", "runs": args.runs, "rounds": args.runs, "payload_mib": args.mib,
            "slice_alloc_ms": round(median(alloc), 1), "cold_process_s": round(median(cold), 2),
            "tcp_gbps": round(median(tcp), 3),
            "device_put_gbps": round(dev_put, 3), "device_fetch_gbps": round(dev_fetch, 3),
