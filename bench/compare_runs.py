@@ -62,8 +62,21 @@ def main() -> None:
     a, b = (json.loads(pathlib.Path(p).read_text()) for p in (args.a, args.b))
     rows = compare(a, b, args.tolerance)
     bad = [r for r in rows if r["problems"]]
+    notes = []
+    ma, mb = a.get("_meta", {}), b.get("_meta", {})
+    if ma.get("mode") != mb.get("mode"):
+        notes.append(f"the runs differ in mode: {ma.get('mode')} vs {mb.get('mode')}")
+    differ = sorted(k for k, v in a.items() if isinstance(v, dict) and k != "_meta"
+                    and isinstance(b.get(k), dict) and v.get("args") != b[k].get("args"))
+    if differ:
+        notes.append("benchmarks run with other arguments: " + ", ".join(differ))
+    for name, res in (("A", a), ("B", b)):
+        alone = sorted(k for k, v in res.items() if isinstance(v, dict) and "measured_at" in v)
+        if alone:
+            notes.append(f"{name} has benchmarks rerun alone (run_all.py --only): "
+                         + ", ".join(alone))
     if args.json:
-        print(json.dumps({"agree": not bad, "tolerance": args.tolerance,
+        print(json.dumps({"agree": not bad, "tolerance": args.tolerance, "notes": notes,
                           "headlines": rows}, indent=2))
     else:
         def cell(v):
@@ -79,6 +92,8 @@ def main() -> None:
                   + " |")
         print(f"\n{len(rows) - len(bad)} of {len(rows)} headlines agree"
               + ("." if not bad else f"; {len(bad)} do not."))
+        for n in notes:
+            print(f"Note: {n}.")
     sys.exit(1 if bad else 0)
 
 

@@ -80,7 +80,7 @@ def spread(x) -> str:
         return ratio(med(x))
     n = x.get("rounds")
     return (f"{ratio(x.get('median'))} ({ratio(span[0])}–{ratio(span[1])}"
-            + (f", {n} rounds" if n else "") + ")")
+            + (f", {n} round{'' if n == 1 else 's'}" if n else "") + ")")
 
 
 def met(value, bar, higher_is_better=True) -> str:
