@@ -167,6 +167,7 @@ class ExecutorService(_make_servicer_base()):
         self._sending_lock = threading.Lock()
         self._gang_next = 1             # the slice_seq of the next scheduled gang op
         self._fusion = Fusion()         # which recorded graphs run fused (worker/fused.py)
+        self.cached_launches = 0        # executions launched without tracing
         self._in_gang = False           # running a gang op inside one arbiter grant
         self.gang_positions: list = []  # island positions of the gang ops run, in order
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -509,7 +510,9 @@ class ExecutorService(_make_servicer_base()):
             busy_seconds=self.arbiter.busy_seconds if self.arbiter else 0.0,
             shared=self.arbiter is not None, memory_budget=self.budget,
             backpressure_waits=self.backpressure_waits,
-            backpressure_seconds=self.backpressure_seconds, planned_bytes=self.planned_bytes)
+            backpressure_seconds=self.backpressure_seconds, planned_bytes=self.planned_bytes,
+            cached_launches=self.cached_launches, fused_launches=self._fusion.launches,
+            fused_programs=self._fusion.programs)
 
     def OpenLoader(self, request, context):
         """Build a pw.DataLoader's dataset here and say what its batches look like."""
@@ -688,6 +691,7 @@ class ExecutorService(_make_servicer_base()):
             if plan is not None:
                 outs = X._run_cached_graph(plan[0], [seg.ext[k] if k >= 0 else v
                                                      for k, v in plan[1]])
+                self.cached_launches += 1
             else:
                 outs, starts = [], []
                 for prog, sources, _ in seg.ops:
@@ -722,6 +726,8 @@ class ExecutorService(_make_servicer_base()):
                 put(b, Entry(o, None, n, prog.name, None, k))
             at += len(ids)
         self.executed += seg.count
+        self._fusion.launches += 1
+        self._fusion.programs += seg.count
 
     def _one(self, op) -> None:
         which = op.WhichOneof("kind")
@@ -1274,6 +1280,7 @@ class ExecutorService(_make_servicer_base()):
                     outs = self.torch_xla._XLAC._run_cached_graph(
                         prog.cached[0], [inputs[k] if k >= 0 else v
                                          for k, v in prog.cached[1]])
+                    self.cached_launches += 1
                 else:
                     outs = self._run(prog, inputs)
                     # Asynchronous: the next op's host work overlaps this execution (~30

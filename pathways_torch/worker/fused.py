@@ -7,8 +7,9 @@ launches. The executor can instead trace a run of consecutive executions into
 torch_xla's lazy graph (each program is one user-computation node fed by the previous
 nodes' outputs) and sync once: torch_xla compiles the run as one executable, cached by
 its graph hash, and every output is materialised as before. The values are those of
-running the programs one by one (XLA fuses element-wise work without reordering
-floating-point arithmetic).
+running the programs one by one up to rounding: XLA optimises across the programs as
+it does inside one (``((x + 1) + 1) + 1`` may become ``x + 3``), as a torch_xla user's
+lazy graph or a JAX ``jit`` over the same functions would.
 
 The first submission of a graph runs op by op and only records its signature (the
 programs in order): a graph seen once never pays a fused compile, a training loop's
@@ -97,6 +98,8 @@ class Fusion:
         # a fused run's key -> (graph hash, feed) for _run_cached_graph, or None when
         # it cannot be launched that way (it is traced each time)
         self.plans: Dict[tuple, Optional[tuple]] = {}
+        self.launches = 0           # fused runs launched, and the executions they held
+        self.programs = 0
         self.enabled = os.environ.get("PATHWAYS_FUSE", "1") != "0"
 
     def segment(self, ops, profiling: bool) -> Optional[Segment]:

@@ -1,0 +1,162 @@
+"""The dispatch hot path (docs/architecture.md, Decision 20) against plain torch:
+cached launches of one-device programs, recorded graphs run fused from their second
+submission and launched from a cached executable from their third, and the client's
+fast path for repeat calls. Each path is shown to be taken (executor counters), and
+its values equal torch's on the CPU within 1e-5 (XLA and torch order a reduction
+differently, fused or not; fused, XLA may also fold constants across programs)."""
+
+import pytest
+import torch
+
+import pathways_torch as pw
+from pathways_torch import P
+
+
+def test_switches_turn_fusion_and_cached_launches_off(monkeypatch):
+    """(First: the module's shared cluster starts after it.) PATHWAYS_FUSE=0 and PATHWAYS_CACHED_LAUNCH=0 on the workers: the same values,
+    neither path taken (a baseline for benchmarks and a way around a torch_xla bug)."""
+    monkeypatch.setenv("PATHWAYS_FUSE", "0")
+    monkeypatch.setenv("PATHWAYS_CACHED_LAUNCH", "0")
+    pw.init(devices_per_host=1, timeout=120)
+    try:
+        s = pw.slice((1,))
+        y = pw.put(torch.zeros(4), s)
+        for _ in range(3):
+            with pw.graph():
+                for _ in range(4):
+                    y = bump(y)
+        assert torch.equal(y.torch(), torch.full((4,), 12.0))
+        st = s.stats()
+        assert st.fused_launches == 0 and st.cached_launches == 0
+    finally:
+        pw.shutdown()
+
+
+@pytest.fixture(scope="module")
+def slices():
+    pw.init(devices_per_host=6, timeout=120)
+    try:
+        yield pw.slice((1,)), pw.slice((1,)), pw.slice((2,), axis_names=("d",))
+    finally:
+        pw.shutdown()
+
+
+@pw.program
+def affine(x, w, b):
+    return torch.tanh(x @ w + b), (x * 2).sum()
+
+
+@pw.program
+def bump(y):
+    return y + 1
+
+
+@pw.program
+def scale(s, y):                       # a 0-dim input: not a graph parameter, traced
+    return y * s
+
+
+def ref_affine(x, w, b):
+    return torch.tanh(x @ w + b), (x * 2).sum()
+
+
+def test_repeat_calls_launch_cached_executables_and_match_torch(slices):
+    s = slices[0]
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g),
+               torch.randn(8, generator=g))
+    xa, wa, ba = pw.put(x, s), pw.put(w, s), pw.put(b, s)
+    before = s.stats().cached_launches
+    for _ in range(5):
+        h, tot = affine(xa, wa, ba)
+        want_h, want_t = ref_affine(x, w, b)
+        torch.testing.assert_close(h.torch(), want_h, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tot.torch(), want_t, rtol=1e-5, atol=1e-5)
+        xa, x = h, want_h                       # feed the output back, as a loop does
+    assert s.stats().cached_launches - before >= 4
+    # scalars 0 and 1 become constants when traced: such programs are traced per call
+    y = pw.put(torch.arange(4.0), s)
+    for v in (0.0, 1.0, 3.0):
+        assert torch.equal(scale(pw.put(torch.tensor(v), s), y).torch(),
+                           torch.arange(4.0) * v)
+
+
+def test_fast_path_respects_shapes_donation_and_release(slices):
+    s = slices[0]
+    for shape in ((4,), (2, 3), (4,)):
+        a = pw.put(torch.ones(shape), s)
+        assert torch.equal(bump(a).torch(), torch.full(shape, 2.0))
+    donor = pw.program(lambda y: y * 3, donate_argnums=(0,))
+    a = pw.put(torch.ones(3), s)
+    bump(a)
+    out = donor(a)
+    with pytest.raises(pw.PlacementError, match="donated"):
+        bump(a)
+    assert torch.equal(out.torch(), torch.full((3,), 3.0))
+    t = pw.slice((1,))
+    c = pw.put(torch.ones(2), t)
+    bump(c).wait()
+    t.release()
+    with pytest.raises(pw.ClusterShutdownError):
+        bump(c)
+
+
+def chain_graph(s, other, xa, wa, ba, k):
+    """A recorded graph: a chain, an output used twice, an input used twice, a move to
+    another slice in the middle (which ends a fused run) and two outputs."""
+    with pw.graph():
+        h, tot = affine(xa, wa, ba)
+        for _ in range(k):
+            h = bump(h)
+        h2, _ = affine(h, wa, ba)
+        moved = bump(h2.to(other))
+        last, tot2 = affine(h2, wa, ba)
+    return tot, h, last, tot2, moved
+
+
+def torch_chain(x, w, b, k):
+    h, tot = ref_affine(x, w, b)
+    for _ in range(k):
+        h = h + 1
+    h2, _ = ref_affine(h, w, b)
+    last, tot2 = ref_affine(h2, w, b)
+    return tot, h, last, tot2, h2 + 1
+
+
+def test_recorded_graphs_fuse_from_their_second_submission_and_match_torch(slices):
+    s, other = slices[0], slices[1]
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(8, 8, generator=g) / 3, torch.randn(8, generator=g)
+    wa, ba = pw.put(w, s), pw.put(b, s)
+    st0 = s.stats()
+    for r in range(4):
+        x = torch.randn(8, 8, generator=g)
+        got = chain_graph(s, other, pw.put(x, s), wa, ba, 6)
+        want = torch_chain(x, w, b, 6)
+        for k, (a, e) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a.torch(), e, rtol=1e-5, atol=1e-5,
+                                       msg=f"submission {r}, output {k}")
+    st = s.stats()
+    # submissions 2-4 ran fused: two runs each (the move splits the graph)
+    assert st.fused_launches - st0.fused_launches == 6
+    assert st.fused_programs - st0.fused_programs == 3 * 9
+    assert st.cached_launches > st0.cached_launches
+
+
+def test_fused_runs_on_a_sharded_slice_are_traced_and_match_torch(slices):
+    s = slices[2]
+    x = torch.randn(8, 4)
+    a = pw.put(x, s, P("d"))
+    before = s.stats().fused_launches
+    for r in range(3):
+        with pw.graph():
+            y = a
+            for _ in range(5):
+                y = bump(y)
+        want = x
+        for _ in range(5):
+            want = want + 1
+        # fused, XLA may fold the five "+ 1" into one "+ 5": a rounding apart
+        torch.testing.assert_close(y.torch(), want, rtol=1e-6, atol=0,
+                                   msg=f"submission {r}")
+    assert s.stats().fused_launches - before == 2
