@@ -6,8 +6,9 @@ and regenerate docs/evaluation.md (bench/report.py).
 Each benchmark runs in its own process (one cluster each); its last JSON line is kept,
 with its wall time. A benchmark that fails or runs past --timeout is recorded with its
 error and the others still run. --quick passes smaller sizes, for a smoke run. The full
-run takes about 10-14 minutes on the 2-core development machine (more while other work
-shares its cores).
+run takes about 15-18 minutes on the 2-core development machine (more while other work
+shares its cores); its headline ratios come from interleaved rounds (bench/common.py),
+and bench/compare_runs.py tells whether two full runs agree.
 """
 
 from __future__ import annotations
@@ -28,23 +29,27 @@ HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
 
 # (script, full-run args, --quick args). The full-run args are sized so that the whole
-# run stays well under 20 minutes on 2 cores.
+# run stays under 20 minutes on 2 cores (about 17 with the rounds below).
 BENCHES = [
     ("dispatch.py", ["--runs", "5", "--steps", "1000"], ["--runs", "2", "--steps", "200"]),
-    ("runtime.py", ["--runs", "5", "--mib", "64"], ["--runs", "1", "--mib", "16"]),
+    ("runtime.py", ["--runs", "7", "--mib", "64"], ["--runs", "2", "--mib", "16"]),
     # Feeding a trainer: client puts against pw.DataLoader on 1 and 2 hosts (~40 s).
-    ("input.py", ["--rounds", "5", "--steps", "60", "--image", "128"],
+    ("input.py", ["--rounds", "7", "--steps", "60", "--image", "128"],
      ["--rounds", "1", "--steps", "10", "--image", "32"]),
-    ("fig5_dispatch_overhead.py", ["--runs", "5", "--steps", "1024"],
-     ["--runs", "2", "--steps", "256", "--no-ray"]),
+    # Headline ratios come from interleaved rounds (median of per-round ratios, its
+    # spread: min-max below 7 rounds, the interquartile range from 7 up; common.py).
+    ("fig5_dispatch_overhead.py", ["--runs", "21", "--steps", "2048"],
+     ["--runs", "3", "--steps", "256", "--no-ray"]),
     ("fig6_computation_size.py", ["--runs", "5"],
      ["--runs", "1", "--sizes", "16,128,512", "--target-s", "0.1"]),
-    ("fig7_parallel_dispatch.py", ["--hosts", "16", "--chains", "20", "--runs", "3"],
+    ("fig7_parallel_dispatch.py", ["--hosts", "16", "--chains", "20", "--runs", "5"],
      ["--hosts", "4", "--stages", "1,2,4", "--chains", "5", "--runs", "1",
       "--no-ray"]),
-    ("dcn.py", ["--runs", "5", "--mib", "64"], ["--runs", "2", "--mib", "16"]),
-    ("train.py", ["--runs", "2", "--steps", "10", "--batches", "64,16"],
-     ["--runs", "1", "--steps", "5", "--batches", "64,16"]),
+    ("dcn.py", ["--runs", "9", "--mib", "64"], ["--runs", "2", "--mib", "16"]),
+    # Every configuration built once per batch size, then 7 rounds of one 4-step block
+    # each (~5 min).
+    ("train.py", ["--runs", "7", "--steps", "4", "--batches", "64,16"],
+     ["--runs", "2", "--steps", "2", "--batches", "64,16"]),
     # 20,000 small programs with random releases and cross-island transfers: the
     # workers' memory, buffers, threads and fds against their baseline (~1 min).
     ("soak.py", ["--programs", "20000", "--sample-every", "500"],
@@ -62,7 +67,8 @@ BENCHES = [
 
 # Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.
 OPTIONAL = [
-    ("fig9_shares.py", [], []),
+    ("fig9_shares.py", ["--rounds", "7"],
+     ["--rounds", "2", "--seconds", "1.5", "--share-seconds", "2"]),
 ]
 
 
