@@ -160,3 +160,19 @@ def test_fused_runs_on_a_sharded_slice_are_traced_and_match_torch(slices):
         torch.testing.assert_close(y.torch(), want, rtol=1e-6, atol=0,
                                    msg=f"submission {r}")
     assert s.stats().fused_launches - before == 2
+
+
+@pw.program
+def odd_outputs(x, unused):
+    return x, torch.arange(3.0), x.t() * 2
+
+
+def test_cached_launches_keep_identity_constant_and_unused_cases(slices):
+    s = slices[0]
+    x = torch.randn(4, 2)
+    xa, ua = pw.put(x, s), pw.put(torch.ones(5), s)
+    for _ in range(3):                    # the repeats take the cached or traced path
+        same, const, twice = odd_outputs(xa, ua)
+        assert torch.equal(same.torch(), x) and torch.equal(const.torch(), torch.arange(3.0))
+        assert torch.equal(twice.torch(), x.t() * 2)
+        assert same._id != xa._id          # an output is a buffer of its own
