@@ -1,16 +1,16 @@
 """Transport security: TLS on every gRPC server and data-plane socket, the cluster token on
 every data-plane connection. One embedded two-island cluster over mutual TLS with a token
-for the module; certificates are made with the openssl CLI at test time."""
+for the module; certificates are made with the ``cryptography`` package at test time."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import ssl
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from types import SimpleNamespace
 
@@ -23,10 +23,6 @@ from pathways_torch.client import runtime
 from pathways_torch.rpc import grpc_util
 from pathways_torch.worker import dataplane as dp
 
-OPENSSL = shutil.which("openssl")
-pytestmark = pytest.mark.skipif(OPENSSL is None,
-                                reason="the openssl CLI is needed to make test certificates")
-
 TOKEN = "tls-test-token"
 ENVS = (grpc_util.TOKEN_ENV, grpc_util.TLS_CERT_ENV, grpc_util.TLS_KEY_ENV,
         grpc_util.TLS_CA_ENV, grpc_util.TLS_NAME_ENV)
@@ -35,22 +31,121 @@ TOL = dict(rtol=1e-5, atol=1e-5)    # float32 on CPU XLA against plain torch
 
 def make_certs(d) -> SimpleNamespace:
     """A CA, a node certificate it signed (IP:127.0.0.1, DNS:localhost; server and client
-    use) and an unrelated CA, as PEM files in ``d``."""
-    def ossl(*args):
-        subprocess.run([OPENSSL, *args], cwd=d, check=True, capture_output=True, timeout=60)
-    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-         "ca.pem", "-days", "2", "-subj", "/CN=pathways-test-ca")
-    (d / "ext.cnf").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
-        "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n")
-    ossl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr",
-         "-subj", "/CN=localhost")
-    ossl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-         "-CAcreateserial", "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")
-    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other.key", "-out",
-         "other.pem", "-days", "2", "-subj", "/CN=some-other-ca")
+    use) and an unrelated CA, as PEM files in ``d``: what the openssl CLI made before
+    (``req -x509`` CAs, a node certificate signed with an extension file), made with the
+    ``cryptography`` package, which requirements.txt pins (no skip: the test needs it)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def key():
+        return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(stem, cert, private):
+        (d / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (d / f"{stem}.key").write_bytes(private.private_bytes(      # openssl -nodes
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+
+    def ca(stem, cn):
+        private = key()
+        cert = (x509.CertificateBuilder()
+                .subject_name(name(cn)).issuer_name(name(cn))
+                .public_key(private.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=2))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None),
+                               critical=True)
+                .add_extension(x509.KeyUsage(
+                    digital_signature=False, content_commitment=False,
+                    key_encipherment=False, data_encipherment=False, key_agreement=False,
+                    key_cert_sign=True, crl_sign=True, encipher_only=False,
+                    decipher_only=False), critical=True)
+                .add_extension(x509.SubjectKeyIdentifier.from_public_key(
+                    private.public_key()), critical=False)
+                .sign(private, hashes.SHA256()))
+        write(stem, cert, private)
+        return cert, private
+
+    ca_cert, ca_key = ca("ca", "pathways-test-ca")
+    node_key = key()
+    node = (x509.CertificateBuilder()
+            .subject_name(name("localhost")).issuer_name(ca_cert.subject)
+            .public_key(node_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None),
+                           critical=False)
+            .add_extension(x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=True,
+                data_encipherment=False, key_agreement=False, key_cert_sign=False,
+                crl_sign=False, encipher_only=False, decipher_only=False), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(
+                node_key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    write("node", node, node_key)
+    ca("other", "some-other-ca")
     return SimpleNamespace(cert=str(d / "node.pem"), key=str(d / "node.key"),
                            ca=str(d / "ca.pem"), other_ca=str(d / "other.pem"))
+
+
+def test_the_test_certificates_chain_and_name_the_node(certs):
+    """The certificates are what the other tests assume: the node's verifies against the
+    CA (for 127.0.0.1 and localhost, as server and client), not against the other CA."""
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=certs.ca)
+    server.load_cert_chain(certs.cert, certs.key)
+    server.verify_mode = ssl.CERT_REQUIRED
+    for host, ca in (("127.0.0.1", certs.ca), ("localhost", certs.ca),
+                     ("127.0.0.1", certs.other_ca)):
+        client = ssl.create_default_context(cafile=ca)
+        client.load_cert_chain(certs.cert, certs.key)
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        errors = []
+
+        def serve():
+            conn, _ = listener.accept()
+            try:
+                with server.wrap_socket(conn, server_side=True) as s:
+                    s.recv(1)
+            except (OSError, ssl.SSLError) as e:
+                errors.append(e)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+                if ca == certs.other_ca:
+                    with pytest.raises(ssl.SSLCertVerificationError):
+                        client.wrap_socket(raw, server_hostname=host)
+                else:
+                    with client.wrap_socket(raw, server_hostname=host) as s:
+                        assert s.getpeercert()["subject"] == ((("commonName", "localhost"),),)
+                        s.sendall(b"x")
+        finally:
+            t.join(30)
+            listener.close()
+        if ca == certs.ca:
+            assert errors == [], errors        # the server took the client's certificate
 
 
 @pytest.fixture(scope="module")
