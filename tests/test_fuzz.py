@@ -751,6 +751,9 @@ def test_executor_refuses_malformed_ops(env):
         ids = list(want)
         rep = env.a_stub.Wait(pb.WaitRequest(buffer_ids=ids, after_seq=seq, timeout_s=60),
                               timeout=90)
+        # one verdict and one error per id asked: zip would hide a short reply
+        assert len(rep.failed) == len(rep.errors) == len(ids), (
+            len(ids), len(rep.failed), len(rep.errors))
         for b, failed, err in zip(ids, rep.failed, rep.errors):
             assert failed and err.kind in want[b] and err.message, (b, want[b], err)
 

@@ -29,7 +29,12 @@ def run(args, launcher=()):
 
 def test_quickstart_under_pathways_run():
     s = run(["quickstart.py"], launcher=["--devices-per-host", "8"])
-    assert s["max_abs_err"] == 0.0
+    # float32 XLA against plain torch on relu(x @ w), values of order 10: the numerics
+    # tests' matmul tolerance (tests/test_numerics.py MATMUL_TOL: rtol 1e-5, atol 1e-4
+    # on values of order 10), not bit equality, which no rounding contract promises.
+    # The recipe itself also checks allclose(rtol=1e-5, atol=1e-5) element by element
+    # and exits non-zero if that fails (run() asserts the exit code).
+    assert 0.0 <= s["max_abs_err"] <= 1e-4, s
 
 
 def test_train_mlp_under_pathways_run_matches_torch():
