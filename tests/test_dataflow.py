@@ -6,6 +6,8 @@ Transfers copy bytes exactly, so results equal plain torch up to the programs' o
 float32 rounding (rtol 1e-5).
 """
 
+import os
+import signal
 import threading
 import time
 
@@ -104,13 +106,38 @@ def test_resharding_between_slices(slices, src_spec, dst_shape, dst_spec):
     assert torch.equal(affine(y).torch(), x * 2 + 1)      # usable by a program there
 
 
+def _transfer_paths(trace, src, dst) -> set:
+    """How the bytes of the client's transfers from slice ``src`` to ``dst`` went, as the
+    sending and receiving executors recorded them: {"shared memory"} or {"socket"}."""
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    tids = {e["args"]["transfer_id"] for e in events
+            if e["cat"] == "dispatch" and e["name"] == "transfer"
+            and e["args"].get("detail") == f"{src.id} -> {dst.id}"}
+    assert tids, "the profile holds no such transfer"
+    ends = [e for e in events if e["cat"] == "transfer" and e["name"] in ("send", "recv")
+            and e["args"].get("transfer_id") in tids]
+    assert sorted(e["name"] for e in ends) == sorted(["recv", "send"] * len(tids)), ends
+    return {e["args"]["detail"] for e in ends}
+
+
 def test_same_host_moves_skip_the_network(slices):
     s1, s2, s3 = slices((1,), island=0), slices((1,), island=0), slices((1,), island=0)
     src, dst = (s1, s3) if (s1.host == s3.host) else (s1, s2)
     assert (src.island, src.host) == (dst.island, dst.host)
+    far = slices((1,), island=1)                          # another host: the control
     x = torch.randn(1000, 100)
-    y = affine(pw.put(x, src)).to(dst)
-    torch.testing.assert_close(y.torch(), x * 2 + 1)
+    y = affine(pw.put(x, src)).wait()
+    # The bytes counters (Slice.stats().bytes_sent / bytes_received) count a same-host
+    # move too (its bytes go through /dev/shm, still "sent"), so they cannot tell the
+    # paths apart: the executors' own record of each transfer's path does.
+    with pw.profile() as prof:
+        near, away = y.to(dst), y.to(far)
+        pw.wait([near, away])
+    trace = prof.trace()
+    assert _transfer_paths(trace, src, dst) == {"shared memory"}    # never on a socket
+    assert _transfer_paths(trace, src, far) == {"socket"}           # the network path
+    torch.testing.assert_close(near.torch(), x * 2 + 1)
+    torch.testing.assert_close(away.torch(), x * 2 + 1)
 
 
 def test_program_inputs_from_other_slices_move_to_its_slice(slices):
@@ -161,9 +188,17 @@ def test_sequential_dispatch_gives_the_same_results(slices):
 
 
 def test_parallel_dispatch_returns_before_the_first_program_completes(slices):
+    """Structural, no clock: the chain's first program waits for bytes from a "gate"
+    slice whose executor the test has stopped (SIGSTOP), so no program of the chain can
+    run until the test lets it. Dispatching all 100 programs must return meanwhile, with
+    none of them executed; the chain then runs to torch's result. How much sooner
+    dispatch returns is bench/fig7_parallel_dispatch.py's measurement (parallel vs
+    sequential dispatch); in sequential mode this dispatch would block on the gate."""
     a, b = slices((1,), island=0), slices((1,), island=1)
+    gate = slices((1,), island=0)
     torch.manual_seed(1)
-    w = torch.randn(512, 512) / 23
+    w = torch.linalg.qr(torch.randn(64, 64))[0]    # orthogonal: 420 rounds of tanh stay tame
+    x = torch.randn(64, 64)
 
     @pw.program
     def heavy(h, w, rounds):                     # rounds: static, so each is its own program
@@ -172,27 +207,39 @@ def test_parallel_dispatch_returns_before_the_first_program_completes(slices):
         return h
 
     wa, wb = pw.put(w, a), pw.put(w, b)
-    h0 = pw.put(torch.randn(512, 512), a)
-    for r in (4, 24):                            # trace + compile outside the clock
-        heavy(h0, wa, r).wait(), heavy(h0.to(b), wb, r).wait()
+    xg = pw.put(x, gate).wait()                  # on the gate slice, before it is shut
+    for r in (4, 24):                            # trace + compile before the gate shuts
+        heavy(xg.to(a), wa, r).wait(), heavy(xg.to(b), wb, r).wait()
+    ran = a.stats().executed, b.stats().executed
+    gate_pid = gate.stats().pid
+    chain, done = [], threading.Event()
 
-    def timed(rounds):
-        t0 = time.perf_counter()
-        heavy(h0, wa, rounds).wait()
-        return time.perf_counter() - t0
+    def dispatch():
+        h = heavy(xg.to(a), wa, 24)              # the first program: its input is gated
+        for k in range(99):
+            h = heavy(h, wa, 4) if k % 2 == 0 else heavy(h.to(b), wb, 4).to(a)
+        chain.append(h)
+        done.set()
 
-    small = sorted(timed(4) for _ in range(3))[1]
-    first = sorted(timed(24) for _ in range(3))[1]
-    assert small >= 0.005, f"a chain program takes {small * 1e3:.1f} ms; it must take >= 5"
-    t0 = time.perf_counter()
-    h = heavy(h0, wa, 24)                        # the first program of the chain
-    for k in range(99):
-        h = heavy(h, wa, 4) if k % 2 == 0 else heavy(h.to(b), wb, 4).to(a)
-    dispatched = time.perf_counter() - t0
-    assert dispatched < first, (f"dispatching 100 programs took {dispatched * 1e3:.1f} ms; "
-                                f"the first program alone takes {first * 1e3:.1f} ms")
-    h.wait()
-    assert torch.isfinite(h.torch()).all()
+    os.kill(gate_pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=dispatch, name="dispatch", daemon=True)
+        t.start()
+        # Short: a stopped process answers no keepalive ping, and its peers give up on
+        # it after about 2 s. Dispatching 100 programs takes milliseconds.
+        returned = done.wait(1.5)
+        executed = a.stats(sync=False).executed, b.stats(sync=False).executed
+    finally:
+        os.kill(gate_pid, signal.SIGCONT)
+    assert returned, "dispatch did not return while the chain's first input was held"
+    assert executed == ran, f"programs ran with their first input held: {ran} -> {executed}"
+    t.join(60)
+    (h,) = chain
+    want = x
+    for _ in range(24 + 4 * 99):
+        want = torch.tanh(want @ w)
+    torch.testing.assert_close(h.torch(), want, rtol=1e-4, atol=1e-5)
+    assert (a.stats().executed - ran[0], b.stats().executed - ran[1]) == (51, 49)
 
 
 def test_gang_order_is_the_same_on_every_host_of_an_island(slices):
