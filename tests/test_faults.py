@@ -42,11 +42,23 @@ def test_a_killed_worker_fails_its_arrays_fast_and_the_other_island_goes_on(two_
     xb = double(pw.put(torch.ones(4), b))
     assert xa.torch().tolist() == [2.0] * 4
     os.kill(worker_pid(two_islands, 0), signal.SIGKILL)
-    time.sleep(1.0)               # its executors die with it (parent-death signals)
-    t0 = time.monotonic()
-    with pytest.raises(pw.WorkerLostError, match="island 0 host 0"):
-        double(xa).torch()
-    assert time.monotonic() - t0 < 5.0
+    t_kill = time.monotonic()
+    # Detection timed from the kill itself: its executors die with it (parent-death
+    # signals), and the next blocking call raises. Calls that still got an answer in the
+    # moment before the executors were gone are retried, as a user's would be. The bound
+    # is generous for a loaded 2-core machine; the README's figure (0.08 s) is measured
+    # by bench/faults.py (worker_lost_s), the same loop.
+    while True:
+        try:
+            double(xa).torch()
+        except pw.WorkerLostError as e:
+            lost = e
+            break
+        assert time.monotonic() - t_kill < 5.0, "no WorkerLostError within 5 s of SIGKILL"
+        time.sleep(0.01)
+    detected = time.monotonic() - t_kill
+    assert "island 0 host 0" in str(lost), lost
+    assert detected < 5.0, f"the loss was noticed {detected:.2f} s after SIGKILL"
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         states = {(d.island, d.state) for d in pw.devices()}
