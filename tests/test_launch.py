@@ -9,16 +9,32 @@ import textwrap
 
 import pytest
 
-from procs import port_closed, wait_gone, with_cmdline
+from procs import alive, cmdline, port_closed, wait_gone, with_cmdline
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+TESTS = pathlib.Path(__file__).resolve().parent
 RUN = [sys.executable, "-m", "pathways_torch"]     # what the pathways-run script calls
+
+
+def coordinators_of(owner: int) -> list:
+    """The coordinator processes started by process ``owner`` (a launcher or an embedded
+    client): the cluster gives each ``--parent-pid <owner>`` on its command line, which
+    (unlike ``--port 0``) tells which cluster it belongs to."""
+    return [p for p in with_cmdline(f"--parent-pid {owner}")
+            if "pathways_torch.coordinator" in cmdline(p)]
+
 
 CLIENT = textwrap.dedent("""
     import os, sys, torch
     import pathways_torch as pw
+    sys.path.insert(0, os.environ["PW_TESTS_DIR"])
+    from procs import cmdline, with_cmdline
     pw.init()
     print("ADDRESS", os.environ.get("PATHWAYS_ADDRESS", ""), flush=True)
+    # the launcher (our parent) started the cluster: its coordinator, alive now (as in
+    # coordinators_of)
+    print("COORDINATOR", *[p for p in with_cmdline(f"--parent-pid {os.getppid()}")
+                           if "pathways_torch.coordinator" in cmdline(p)], flush=True)
     print("DEVICES", len(pw.devices()), flush=True)
     s = pw.slice((2,))
 
@@ -35,7 +51,14 @@ CLIENT = textwrap.dedent("""
 def env():
     e = dict(os.environ)
     e.pop("PATHWAYS_ADDRESS", None)
+    e["PW_TESTS_DIR"] = str(TESTS)
     return e
+
+
+def coordinator_pid(out) -> int:
+    (pids,) = lines(out, "COORDINATOR")
+    (pid,) = map(int, pids.split())             # exactly one
+    return pid
 
 
 def lines(out, key):
@@ -58,7 +81,8 @@ def test_pathways_run_runs_the_script_and_stops_the_cluster(client_script):
     assert lines(r.stdout, "DEVICES") == ["2"]
     assert lines(r.stdout, "RESULT") == ["[0.0, 2.0, 4.0, 6.0]"]
     assert wait_gone(with_cmdline(address)) == []
-    assert port_closed(address)            # the coordinator is gone too
+    assert wait_gone([coordinator_pid(r.stdout)]) == []     # the coordinator is gone too
+    assert port_closed(address)
 
 
 def test_pathways_run_passes_on_the_exit_code_of_a_crash(client_script):
@@ -67,7 +91,8 @@ def test_pathways_run_passes_on_the_exit_code_of_a_crash(client_script):
     assert r.returncode == 3
     (address,) = lines(r.stdout, "ADDRESS")
     assert wait_gone(with_cmdline(address)) == []
-    assert port_closed(address)            # the coordinator is gone too
+    assert wait_gone([coordinator_pid(r.stdout)]) == []     # the coordinator is gone too
+    assert port_closed(address)
 
 
 EMBEDDED = textwrap.dedent("""
@@ -77,6 +102,8 @@ EMBEDDED = textwrap.dedent("""
     s = pw.slice((2,))
     pw.put(torch.ones(2), s).torch()
     print("ADDRESS", pw.client.runtime._state.address, flush=True)
+    print("COORDINATOR", *[p.pid for p in pw.client.runtime._state.cluster.procs
+                           if "pathways_torch.coordinator" in p.args], flush=True)
     if sys.argv[1] == "sleep":
         time.sleep(300)
 """)
@@ -90,7 +117,8 @@ def test_interpreter_exit_stops_the_embedded_cluster(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     (address,) = lines(r.stdout, "ADDRESS")
     assert wait_gone(with_cmdline(address)) == []
-    assert port_closed(address)            # the coordinator is gone too
+    assert wait_gone([coordinator_pid(r.stdout)]) == []     # the coordinator is gone too
+    assert port_closed(address)
 
 
 def test_sigkill_of_the_client_takes_the_cluster_down(tmp_path):
@@ -102,12 +130,14 @@ def test_sigkill_of_the_client_takes_the_cluster_down(tmp_path):
         line = proc.stdout.readline()
         assert line.startswith("ADDRESS "), line
         address = line.split()[1]
-        procs = with_cmdline(address)
-        assert len(procs) >= 2                        # coordinator and worker agent
+        coord = coordinator_pid(line + proc.stdout.readline())
+        assert alive(coord) and coordinators_of(proc.pid) == [coord]
+        assert len(with_cmdline(address)) >= 1        # the worker agent
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert wait_gone(with_cmdline(address), timeout=20) == []
+    assert wait_gone([coord], timeout=20) == []       # the coordinator too
     assert port_closed(address)
 
 
@@ -167,7 +197,8 @@ def test_ctrl_c_of_pathways_run_stops_the_script_and_the_cluster(tmp_path):
         line = proc.stdout.readline()
         assert line.startswith("ADDRESS "), line
         address = line.split()[1]
-        assert len(with_cmdline(address)) >= 2       # coordinator and worker agent
+        assert len(with_cmdline(address)) >= 1       # the worker agent
+        (coord,) = coordinators_of(proc.pid)         # the launcher's coordinator
         proc.send_signal(signal.SIGINT)              # what Ctrl-C sends
         code = proc.wait(60)
     finally:
@@ -176,4 +207,5 @@ def test_ctrl_c_of_pathways_run_stops_the_script_and_the_cluster(tmp_path):
             proc.wait()
     assert code != 0                                 # the script was interrupted
     assert wait_gone(with_cmdline(address)) == []
+    assert wait_gone([coord]) == []                  # the coordinator too
     assert port_closed(address)

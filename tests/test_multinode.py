@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from pathways_torch import _proc
 from procs import port_closed, wait_gone
 
 RUN = [sys.executable, "-m", "pathways_torch"]
@@ -34,13 +35,25 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-class Proc:
-    """A pathways-run process whose output goes to a file (read with ``text()``)."""
+def _die_with_this_test(parent=os.getpid()):
+    """preexec_fn of every process the tests start: the parent watch the cluster's own
+    processes have (``pathways_torch._proc.die_with_parent``, PR_SET_PDEATHSIG, kept
+    across exec), so a pytest run that is hard-killed takes them along. Their own
+    children (a supervisor's agent, an agent's executors) watch them in turn."""
+    _proc.die_with_parent(parent)
 
-    def __init__(self, args, env, tmp_path, name):
+
+class Proc:
+    """A pathways-run process whose output goes to a file (read with ``text()``); it is
+    added to ``into`` (the test's list, stopped in its ``finally``) as soon as it runs."""
+
+    def __init__(self, args, env, tmp_path, name, into):
         self.log = tmp_path / f"{name}.log"
-        self.p = subprocess.Popen(RUN + args, env=env, stdout=open(self.log, "wb"),
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.log, "wb") as out:
+            self.p = subprocess.Popen(RUN + args, env=env, stdout=out,
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_die_with_this_test)
+        into.append(self)
 
     def text(self):
         return self.log.read_text(errors="replace")
@@ -75,17 +88,22 @@ def base_env(token=TOKEN):
     return e
 
 
-def start_coordinator(tmp_path, port=0, name="coordinator"):
-    c = Proc(["--coordinator", "--port", str(port)], base_env(), tmp_path, name)
+def stop_all(procs):
+    for p in reversed(procs):
+        p.stop()
+
+
+def start_coordinator(tmp_path, procs, port=0, name="coordinator"):
+    c = Proc(["--coordinator", "--port", str(port)], base_env(), tmp_path, name, procs)
     line = c.wait_for("PATHWAYS_COORDINATOR_PORT=")
     port = int(line.split("PATHWAYS_COORDINATOR_PORT=")[1].split()[0])
     return c, f"127.0.0.1:{port}"
 
 
-def start_worker(tmp_path, address, island, name=None, extra=()):
+def start_worker(tmp_path, procs, address, island, name=None, extra=()):
     return Proc(["--worker", "--coordinator-address", address, "--island", str(island),
                  "--devices-per-host", "2", *extra], base_env(), tmp_path,
-                name or f"worker{island}")
+                name or f"worker{island}", procs)
 
 
 def registered(address, n, timeout=120):
@@ -114,7 +132,8 @@ def run_client(tmp_path, address, token=TOKEN):
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
     return subprocess.run(RUN + ["--address", address, str(script)], env=base_env(token),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          preexec_fn=_die_with_this_test)
 
 
 def test_workers_started_before_the_coordinator_wait_for_it_and_serve_clients(tmp_path):
@@ -124,12 +143,12 @@ def test_workers_started_before_the_coordinator_wait_for_it_and_serve_clients(tm
     port = s.getsockname()[1]
     s.close()
     address = f"127.0.0.1:{port}"
-    workers = [start_worker(tmp_path, address, i) for i in (0, 1)]
-    coord = None
+    procs, workers = [], []
     try:
+        workers = [start_worker(tmp_path, procs, address, i) for i in (0, 1)]
         time.sleep(2)                        # the workers are retrying by now
         assert all(w.p.poll() is None for w in workers)
-        coord, address = start_coordinator(tmp_path, port)
+        coord, address = start_coordinator(tmp_path, procs, port)
         assert registered(address, 2)
         r = run_client(tmp_path, address)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -146,14 +165,13 @@ def test_workers_started_before_the_coordinator_wait_for_it_and_serve_clients(tm
         # the coordinator restarts on the same port: the workers register again
         coord.stop()
         assert port_closed(address)
-        coord, address = start_coordinator(tmp_path, port, "coordinator2")
+        coord, address = start_coordinator(tmp_path, procs, port, "coordinator2")
         assert registered(address, 2, timeout=60)
         r = run_client(tmp_path, address)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "RESULT [0.0, 4.0, 8.0, 12.0]" in r.stdout
     finally:
-        for p in workers + ([coord] if coord else []):
-            p.stop()
+        stop_all(procs)
     assert wait_gone([w.p.pid for w in workers]) == []
 
 
@@ -161,11 +179,12 @@ def test_workers_bound_to_every_interface_advertise_an_address_others_can_dial(t
     """--bind-host 0.0.0.0 (as on a real cluster) must not hand out "0.0.0.0:port":
     the worker advertises the interface that routes to the coordinator (here loopback),
     or --advertise-host (a pod's IP, say)."""
-    coord, address = start_coordinator(tmp_path)
-    workers = [start_worker(tmp_path, address, 0, extra=("--bind-host", "0.0.0.0")),
-               start_worker(tmp_path, address, 1, extra=("--bind-host", "0.0.0.0",
-                                                         "--advertise-host", "localhost"))]
+    procs = []
     try:
+        coord, address = start_coordinator(tmp_path, procs)
+        start_worker(tmp_path, procs, address, 0, extra=("--bind-host", "0.0.0.0"))
+        start_worker(tmp_path, procs, address, 1, extra=("--bind-host", "0.0.0.0",
+                                                         "--advertise-host", "localhost"))
         assert registered(address, 2)
         r = run_client(tmp_path, address)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -173,19 +192,19 @@ def test_workers_bound_to_every_interface_advertise_an_address_others_can_dial(t
         assert "0.0.0.0" not in line and "127.0.0.1:" in line and "localhost:" in line, line
         assert "RESULT [0.0, 4.0, 8.0, 12.0]" in r.stdout
     finally:
-        for p in workers + [coord]:
-            p.stop()
+        stop_all(procs)
 
 
 def test_listening_beyond_loopback_needs_a_token(tmp_path):
     e = base_env(token="")
     r = subprocess.run(RUN + ["--coordinator", "--host", "0.0.0.0", "--port", "0"], env=e,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=_die_with_this_test)
     assert r.returncode != 0
     assert "token" in r.stderr and "PATHWAYS_TOKEN" in r.stderr
     r = subprocess.run(RUN + ["--worker", "--coordinator-address", "127.0.0.1:1",
                               "--bind-host", "0.0.0.0"], env=e, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, preexec_fn=_die_with_this_test)
     assert r.returncode != 0 and "token" in r.stderr
 
 
@@ -194,15 +213,17 @@ def test_worker_mode_needs_a_coordinator_address():
     e.pop("MASTER_ADDR", None)
     e.pop("PATHWAYS_COORDINATOR_ADDRESS", None)
     r = subprocess.run(RUN + ["--worker"], env=e, capture_output=True, text=True,
-                       timeout=60)
+                       timeout=60, preexec_fn=_die_with_this_test)
     assert r.returncode == 2 and "--coordinator-address" in r.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT])
 def test_ctrl_c_of_a_client_leaves_the_cluster_serving(tmp_path, sig):
-    coord, address = start_coordinator(tmp_path)
-    workers = [start_worker(tmp_path, address, i) for i in (0, 1)]
+    procs = []
     try:
+        coord, address = start_coordinator(tmp_path, procs)
+        for i in (0, 1):
+            start_worker(tmp_path, procs, address, i)
         assert registered(address, 2)
         script = tmp_path / "hold.py"
         script.write_text(textwrap.dedent("""
@@ -214,7 +235,8 @@ def test_ctrl_c_of_a_client_leaves_the_cluster_serving(tmp_path, sig):
             print("HOLDING", flush=True)
             time.sleep(300)
         """))
-        c = Proc(["--address", address, str(script)], base_env(), tmp_path, "holder")
+        c = Proc(["--address", address, str(script)], base_env(), tmp_path, "holder",
+                 procs)
         c.wait_for("HOLDING")
         c.stop(sig)
         assert c.p.returncode != 0
@@ -222,8 +244,7 @@ def test_ctrl_c_of_a_client_leaves_the_cluster_serving(tmp_path, sig):
         assert r.returncode == 0, r.stderr[-3000:]
         assert "RESULT [0.0, 4.0, 8.0, 12.0]" in r.stdout
     finally:
-        for p in workers + [coord]:
-            p.stop()
+        stop_all(procs)
 
 
 def test_a_batch_job_forms_restarts_a_dead_agent_and_ends_when_its_client_does(tmp_path):
@@ -236,16 +257,19 @@ def test_a_batch_job_forms_restarts_a_dead_agent_and_ends_when_its_client_does(t
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     env = base_env(token=None)
-    coord = Proc(["--coordinator", "--port", "0", "--token-file", str(token_file)], env,
-                 tmp_path, "coordinator")
-    line = coord.wait_for("PATHWAYS_COORDINATOR_PORT=")
-    address = f"127.0.0.1:{int(line.split('PATHWAYS_COORDINATOR_PORT=')[1].split()[0])}"
-    workers = [Proc(["--worker", "--coordinator-address", address, "--replica-id", str(r),
-                     "--hosts-per-island", "1", "--devices-per-host", "2",
-                     "--max-restarts", "1", "--register-timeout", "60",
-                     "--token-file", str(token_file)], env, tmp_path, f"worker{r}")
-               for r in (0, 1)]
+    procs = []
+    address = None
     try:
+        coord = Proc(["--coordinator", "--port", "0", "--token-file", str(token_file)], env,
+                     tmp_path, "coordinator", procs)
+        line = coord.wait_for("PATHWAYS_COORDINATOR_PORT=")
+        address = f"127.0.0.1:{int(line.split('PATHWAYS_COORDINATOR_PORT=')[1].split()[0])}"
+        workers = [Proc(["--worker", "--coordinator-address", address, "--replica-id",
+                         str(r), "--hosts-per-island", "1", "--devices-per-host", "2",
+                         "--max-restarts", "1", "--register-timeout", "60",
+                         "--token-file", str(token_file)], env, tmp_path, f"worker{r}",
+                        procs)
+                   for r in (0, 1)]
         assert registered(address, 2)
         # The agent of island 1 dies: its supervisor starts it again, it re-registers.
         (agent,) = topmost([p for p in with_cmdline(f"--coordinator {address}")
@@ -260,7 +284,7 @@ def test_a_batch_job_forms_restarts_a_dead_agent_and_ends_when_its_client_does(t
         r = subprocess.run(RUN + ["--address", address, "--wait-for-hosts", "2",
                                   "--shutdown-cluster", "--token-file", str(token_file),
                                   str(script)], env=env, capture_output=True, text=True,
-                           timeout=300)
+                           timeout=300, preexec_fn=_die_with_this_test)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "RESULT [0.0, 4.0, 8.0, 12.0]" in r.stdout
         for p in [coord] + workers:
@@ -268,9 +292,8 @@ def test_a_batch_job_forms_restarts_a_dead_agent_and_ends_when_its_client_does(t
         assert "the cluster is shutting down" in workers[0].text()
         assert port_closed(address)
     finally:
-        for p in workers + [coord]:
-            p.stop()
-    assert wait_gone(with_cmdline(address)) == []
+        stop_all(procs)
+    assert address and wait_gone(with_cmdline(address)) == []
 
 
 def test_launcher_flags_of_batch_jobs_say_what_is_wrong(tmp_path, capsys):
