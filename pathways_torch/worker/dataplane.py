@@ -520,7 +520,7 @@ class DataPlane:
             views = payload if isinstance(payload, list) else [payload]
             nbytes = sum(len(v) for v in views)
             path = self._try_shm(transfer_id, views) if same_host and nbytes and \
-                SHM_DIR is not None else ""
+                shm_allowed() else ""
             if path:
                 aux = path.encode()
                 frames = [HEADER.pack(MAGIC, transfer_id, FLAG_SHM, nbytes, len(aux)), aux]
