@@ -32,6 +32,31 @@ def test_switches_turn_fusion_and_cached_launches_off(monkeypatch):
         pw.shutdown()
 
 
+def test_an_evicted_cached_executable_is_traced_again(monkeypatch):
+    """torch_xla's compilation cache is an LRU (XLA_COMPILATION_CACHE_SIZE): with room
+    for 2 executables, 4 programs called in turn evict each other's, and every call
+    and every fused graph still gives torch's values (traced again, then cached)."""
+    monkeypatch.setenv("XLA_COMPILATION_CACHE_SIZE", "2")
+    pw.init(devices_per_host=1, timeout=120)
+    try:
+        s = pw.slice((1,))
+        progs = [pw.program(lambda y, k=k: y * 2 + k, name=f"lru{k}") for k in range(4)]
+        y, want = pw.put(torch.ones(4), s), torch.ones(4)
+        for r in range(3):
+            for k, p in enumerate(progs):
+                y, want = p(y), want * 2 + k
+            with pw.graph():
+                for k, p in enumerate(progs):
+                    y = p(y)
+            for k in range(4):
+                want = want * 2 + k
+            torch.testing.assert_close(y.torch(), want, rtol=1e-6, atol=0,
+                                       msg=f"round {r}")
+            y, want = pw.put(torch.ones(4), s), torch.ones(4)
+    finally:
+        pw.shutdown()
+
+
 @pytest.fixture(scope="module")
 def slices():
     pw.init(devices_per_host=6, timeout=120)

@@ -199,12 +199,8 @@ class OpLoop:
                     # Profiling: run to completion, so the span is the device time.
                     outs = self._run(prog, inputs)
                     self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
-                elif prog.cached is not None:
-                    # Asynchronous, as below, and without tracing the call again.
-                    outs = self.torch_xla._XLAC._run_cached_graph(
-                        prog.cached[0], [inputs[k] if k >= 0 else v
-                                         for k, v in prog.cached[1]])
-                    self.cached_launches += 1
+                elif prog.cached is not None and (outs := self._launch(prog, inputs)):
+                    pass                # asynchronous, as below, without tracing again
                 else:
                     outs = self._run(prog, inputs)
                     # Asynchronous: the next op's host work overlaps this execution (~30
@@ -285,24 +281,28 @@ class OpLoop:
         plans = self._fusion.plans
         try:
             plan = plans.get(key)
-            if plan is not None:
-                outs = X._run_cached_graph(plan[0], [seg.ext[k] if k >= 0 else v
-                                                     for k, v in plan[1]])
-                self.cached_launches += 1
-            else:
+            outs = self._launch_plan(plan, seg.ext) if plan is not None else None
+            if outs is None:
+                if plan is not None:
+                    del plans[key]          # evicted from torch_xla's cache: plan again
                 outs, starts = [], []
                 for prog, sources, _ in seg.ops:
                     args = [seg.ext[s] if s.__class__ is int else outs[starts[s[0]] + s[1]]
                             for s in sources]
                     starts.append(len(outs))
                     outs.extend(self._run(prog, args))
-                if key not in plans:
-                    plans[key] = plan = (None if self.spmd else
-                                         self._plan_of(outs, seg.ext))
+                if key in plans:            # None: this run cannot be launched cached
+                    plan = None
+                else:
+                    plans[key] = plan = None if self.spmd else self._plan_of(outs, seg.ext)
                 if plan is not None:
                     X._xla_warm_up_cache(outs, [])
-                    outs = X._run_cached_graph(plan[0], [seg.ext[k] if k >= 0 else v
-                                                         for k, v in plan[1]])
+                    launched = self._launch_plan(plan, seg.ext)
+                    if launched is None:
+                        plans[key] = None
+                        X._xla_sync_multi(outs, [], wait=False)
+                    else:
+                        outs = launched
                 else:
                     X._xla_sync_multi(outs, [], wait=False)
             if self._in_gang:
@@ -325,6 +325,25 @@ class OpLoop:
         self.executed += seg.count
         self._fusion.launches += 1
         self._fusion.programs += seg.count
+
+    def _launch(self, prog, inputs):
+        """``prog``'s cached executable launched on ``inputs`` (its outputs), or None
+        after forgetting the plan when torch_xla no longer has it (its compilation cache
+        is an LRU): the call is then traced, as the first one was."""
+        out = self._launch_plan(prog.cached, inputs)
+        if out is None:
+            prog.cached = None
+        return out
+
+    def _launch_plan(self, plan, inputs):
+        try:
+            out = self.torch_xla._XLAC._run_cached_graph(
+                plan[0], [inputs[k] if k >= 0 else v for k, v in plan[1]])
+        except RuntimeError as e:
+            log.warning("a cached launch failed (%s); tracing instead", e)
+            return None
+        self.cached_launches += 1
+        return out
 
     def _invalid(self, op, which):
         """Why an op of the stream is malformed (a validate.InvalidMessage), or None.
