@@ -35,14 +35,13 @@ class Segment:
     """The executions gathered so far and not yet launched, with their wiring: which
     inputs come from the store (``ext``) and which from earlier executions here."""
 
-    __slots__ = ("ops", "ext", "_ext_ids", "avals", "key", "device_bytes", "count",
-                 "hlo_bytes", "_names", "_where")
+    __slots__ = ("ops", "ext", "_ext_ids", "key", "device_bytes", "count", "hlo_bytes",
+                 "_names", "_where")
 
     def __init__(self) -> None:
         self.ops: list = []         # (program, input sources, output ids)
         self.ext: list = []         # store tensors the run reads, in first-use order
         self._ext_ids: dict = {}    # buffer id -> index in ext
-        self.avals: dict = {}       # output id here -> (dtype, shape)
         self._where: dict = {}      # output id here -> (execution, output) index
         self.key: list = []         # programs and wiring: equal keys, equal graphs
         self._names: dict = {}
@@ -65,13 +64,16 @@ class Segment:
         """(execution index, output index) of an output made here, else None."""
         return self._where.get(buffer_id)
 
+    def aval(self, where: tuple) -> tuple:
+        """(dtype, shape) of the output at ``where`` (from ``produced``)."""
+        return self.ops[where[0]][0].out_avals[where[1]]
+
     def add(self, prog, sources: tuple, outputs) -> None:
         """``sources``: per input, an index into ``ext`` (int) or the (execution,
         output) pair here that makes it."""
         k = len(self.ops)
         self.ops.append((prog, sources, tuple(outputs)))
-        for j, (b, aval) in enumerate(zip(outputs, prog.out_avals)):
-            self.avals[b] = aval
+        for j, b in enumerate(outputs):
             self._where[b] = (k, j)
         self.key.append((prog.program_id, sources))
         self.device_bytes += prog.out_device_bytes

@@ -241,12 +241,12 @@ class OpLoop:
             return False
         # What validate.check_execute checks, on the segment's outputs too; anything
         # odd runs alone, where it is checked and reported.
-        entries, made = self.store.entries, seg.avals
+        entries = self.store.entries
         outputs, avals = x.outputs, prog.in_avals
         if len(x.inputs) != len(avals) or len(outputs) != len(prog.out_avals):
             return False
         for b in outputs:
-            if b in made or b in entries:
+            if seg.produced(b) is not None or b in entries:
                 return False
         if len(outputs) > 1 and len(set(outputs)) != len(outputs):
             return False
@@ -254,7 +254,7 @@ class OpLoop:
         for b, aval in zip(x.inputs, avals):
             here = seg.produced(b)
             if here is not None:
-                if made[b] != aval:
+                if seg.aval(here) != aval:
                     return False
                 sources.append(here)
                 continue
@@ -282,7 +282,9 @@ class OpLoop:
         try:
             plan = plans.get(key)
             outs = self._launch_plan(plan, seg.ext) if plan is not None else None
-            if outs is None:
+            if outs is not None:
+                self.cached_launches += 1
+            else:
                 if plan is not None:
                     del plans[key]          # evicted from torch_xla's cache: plan again
                 outs, starts = [], []
@@ -303,6 +305,7 @@ class OpLoop:
                         X._xla_sync_multi(outs, [], wait=False)
                     else:
                         outs = launched
+                        self.cached_launches += 1
                 else:
                     X._xla_sync_multi(outs, [], wait=False)
             if self._in_gang:
@@ -333,16 +336,8 @@ class OpLoop:
         out = self._launch_plan(prog.cached, inputs)
         if out is None:
             prog.cached = None
-        return out
-
-    def _launch_plan(self, plan, inputs):
-        try:
-            out = self.torch_xla._XLAC._run_cached_graph(
-                plan[0], [inputs[k] if k >= 0 else v for k, v in plan[1]])
-        except RuntimeError as e:
-            log.warning("a cached launch failed (%s); tracing instead", e)
-            return None
-        self.cached_launches += 1
+        else:
+            self.cached_launches += 1
         return out
 
     def _invalid(self, op, which):

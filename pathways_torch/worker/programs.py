@@ -160,12 +160,18 @@ class Programs:
 
     def _check_plan(self, plan, ph: list, n_outs: int):
         """``plan`` when one launch on the placeholders gives ``n_outs`` outputs."""
+        got = self._launch_plan(plan, ph)
+        return plan if got is not None and len(got) == n_outs else None
+
+    def _launch_plan(self, plan, inputs):
+        """The outputs of launching ``plan`` (graph hash, feed) on ``inputs``, or None
+        when torch_xla no longer has its executable (its compilation cache is an LRU)."""
         try:
-            got = self.torch_xla._XLAC._run_cached_graph(
-                plan[0], [ph[k] if k >= 0 else v for k, v in plan[1]])
-        except Exception:       # noqa: BLE001 (not in the cache after all: trace)
+            return self.torch_xla._XLAC._run_cached_graph(
+                plan[0], [inputs[k] if k >= 0 else v for k, v in plan[1]])
+        except RuntimeError as e:
+            log.warning("a cached launch failed (%s); tracing instead", e)
             return None
-        return plan if len(got) == n_outs else None
 
     def _run(self, prog: _Program, inputs):
         args = [inputs[k] if src == "i" else prog.constants[k] for src, k in prog.params]
