@@ -11,6 +11,28 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import pathways_torch as pw  # noqa: E402
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report carries the tails of the running cluster's logs (the
+    coordinator's and each worker's, executors included): they are removed at shutdown,
+    and a CI run shows only its report."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    cluster = pw.client.runtime._state.cluster
+    logdir = getattr(cluster, "logdir", None)
+    if not logdir or not os.path.isdir(logdir):
+        return
+    for name in sorted(os.listdir(logdir)):
+        try:
+            with open(os.path.join(logdir, name), "rb") as f:
+                tail = f.read()[-4000:].decode(errors="replace")
+        except OSError:
+            continue
+        report.sections.append((f"cluster log {name} (tail)", tail or "(empty)"))
+
+
 @pytest.fixture(scope="module")
 def cluster8():
     """A coordinator and one worker process with 8 CPU XLA devices, for the module."""

@@ -43,6 +43,8 @@ log = logging.getLogger("pathways.executor")
 
 def run_executor(req: dict) -> None:
     """Entry point of a forked executor process (see agent.Zygote)."""
+    import faulthandler
+    faulthandler.enable()               # a crash leaves its stacks in the worker's log
     from .devices import slice_env
     os.environ.update(slice_env(req["kind"], req["devices"]))
     from .. import _proc
