@@ -192,12 +192,26 @@ def odd_outputs(x, unused):
     return x, torch.arange(3.0), x.t() * 2
 
 
+@pw.program
+def unused_scalar(x, unused):
+    return x * 2
+
+
 def test_cached_launches_keep_identity_constant_and_unused_cases(slices):
+    """An unused input is no parameter of the compiled graph: the launch leaves it out
+    (a pipeline stage's backward does not read the recomputed forward). An unused 0-dim
+    input cannot be told from a folded scalar 0 or 1, so that program is traced."""
     s = slices[0]
     x = torch.randn(4, 2)
     xa, ua = pw.put(x, s), pw.put(torch.ones(5), s)
-    for _ in range(3):                    # the repeats take the cached or traced path
+    before = s.stats().cached_launches
+    for _ in range(3):
         same, const, twice = odd_outputs(xa, ua)
         assert torch.equal(same.torch(), x) and torch.equal(const.torch(), torch.arange(3.0))
         assert torch.equal(twice.torch(), x.t() * 2)
         assert same._id != xa._id          # an output is a buffer of its own
+    assert s.stats().cached_launches - before == 3
+    before = s.stats().cached_launches
+    for v in (0.0, 1.0, 5.0):
+        assert torch.equal(unused_scalar(xa, pw.put(torch.tensor(v), s)).torch(), x * 2)
+    assert s.stats().cached_launches == before

@@ -38,7 +38,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def to_bytes(t: torch.Tensor) -> bytes:

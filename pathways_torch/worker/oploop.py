@@ -23,6 +23,16 @@ from .transfers import _nbytes
 log = logging.getLogger("pathways.executor")
 
 
+def _donatable(op) -> list:
+    """The positions of ``op``'s donated inputs that it reads only once (an input
+    passed twice cannot give its memory to an output)."""
+    ids = list(op.inputs)
+    seen: dict = {}
+    for b in ids:
+        seen[b] = seen.get(b, 0) + 1
+    return [k for k in op.donate if k < len(ids) and seen[ids[k]] == 1]
+
+
 class OpLoop:
     """The ordered op loop and the execution of programs (a mixin of ExecutorService)."""
 
@@ -170,8 +180,7 @@ class OpLoop:
             err = None
         if err is None and prog.out_device_bytes > self.budget:
             err = self._err("oom", self._oom_text(prog, prog.out_device_bytes), prog.name)
-        donated = [k for k in op.donate if k < len(op.inputs) and
-                   list(op.inputs).count(op.inputs[k]) == 1] if op.donate else ()
+        donated = _donatable(op) if op.donate else ()
         if err is None:
             # Donated inputs' memory becomes the outputs'.
             need = prog.out_device_bytes - sum(entries[k].nbytes // entries[k].shards

@@ -152,9 +152,12 @@ class Programs:
             return None
         position = {X._xla_get_tensor_id(t): k for k, t in enumerate(inputs)}
         feed = [(position.get(i, -1), v) for i, v in zip(ids, values)]
-        # Every input must be a parameter of the graph: torch_xla folds a scalar 0 or 1
-        # (a "special scalar", such as a zero placeholder) into a constant.
-        if sorted(k for k, _ in feed if k >= 0) != list(range(len(inputs))):
+        # An input that is not a parameter of the graph is unused (XLA dropped it: a
+        # stage backward that reads its forward's saved activations instead of the
+        # recomputed ones), unless it is a scalar: torch_xla folds a scalar 0 or 1 (a
+        # "special scalar", such as a zero placeholder) into a constant.
+        fed = {k for k, _ in feed if k >= 0}
+        if any(k not in fed and inputs[k].dim() == 0 for k in range(len(inputs))):
             return None
         return graph_hash, feed
 
