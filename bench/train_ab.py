@@ -9,7 +9,7 @@ first step's latency (trace + compile) of each. The baseline is checked out with
 ``git worktree`` into a temporary directory and runs on this tree's venv.
 
     python bench/train_ab.py --baseline f28f2ea [--rounds 5] [--steps 20]
-        [--strategy dp|islands|pipeline]
+        [--strategy dp|islands|pipeline|pipeline4]
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ if strategy == "dp":
                     parallelism=pw.DataParallel("data"))
 elif strategy == "islands":
     par = pw.MultiIsland([pw.slice((2,), axis_names=("data",), island=i) for i in range(2)], "data")
+    tr = pw.Trainer(model, opt, rc.lm_loss, parallelism=par)
+elif strategy == "pipeline4":
+    par = pw.Pipeline(4, 8, [pw.slice((1,)) for _ in range(4)])
     tr = pw.Trainer(model, opt, rc.lm_loss, parallelism=par)
 else:
     par = pw.Pipeline(2, 4, [pw.slice((2,)), pw.slice((2,))])
@@ -86,9 +89,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batches", default="64,16")
-    ap.add_argument("--strategy", choices=("dp", "islands", "pipeline"), default="dp",
+    ap.add_argument("--strategy", choices=("dp", "islands", "pipeline", "pipeline4"),
+                    default="dp",
                     help="dp: DataParallel on 4 devices; islands: MultiIsland over 2 "
-                         "islands of 2; pipeline: 2 stages of 2 devices, 4 microbatches")
+                         "islands of 2; pipeline: 2 stages of 2 devices, 4 microbatches; "
+                         "pipeline4: 4 stages of 1 device, 8 microbatches (issue 16's)")
     args = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="pw-baseline-"))
     base = tmp / "tree"
@@ -128,7 +133,9 @@ def main() -> None:
           "model": "gpt d128 L4 seq64, " + {"dp": "DataParallel on 4 devices",
                                             "islands": "MultiIsland over 2 islands of 2",
                                             "pipeline": "Pipeline 2 stages x 2 devices, "
-                                                        "4 microbatches"}[args.strategy],
+                                                        "4 microbatches",
+                                            "pipeline4": "Pipeline 4 stages x 1 device, "
+                                                         "8 microbatches"}[args.strategy],
           "by_batch": results, "time": time.strftime("%Y-%m-%d %H:%M")})
 
 

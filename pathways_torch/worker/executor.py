@@ -111,6 +111,10 @@ class ExecutorService(OpLoop, Programs, Transfers, BackPressure, CheckpointIO,
         self.device = torch_xla.device()
         # Inputs marked for donation may be aliased with outputs of the same shape.
         torch_xla._XLAC._xla_set_enable_alias_with_buffer_donor_config(True)
+        # torch's lazy core shares one device buffer among equal scalars put on the
+        # device; a cached launch donates its donated inputs unconditionally, so every
+        # buffer here must be its own (programs keep their constants in their HLO).
+        torch_xla._XLAC._set_xla_enable_device_data_cache(False)
         n = xr.global_runtime_device_count()
         if n != len(req["devices"]):
             raise RuntimeError(f"runtime shows {n} devices, slice has {len(req['devices'])}")

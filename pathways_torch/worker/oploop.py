@@ -208,7 +208,8 @@ class OpLoop:
                     # Profiling: run to completion, so the span is the device time.
                     outs = self._run(prog, inputs)
                     self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
-                elif prog.cached is not None and (outs := self._launch(prog, inputs)):
+                elif (prog.cached is not None and tuple(donated) == prog.donate
+                      and (outs := self._launch(prog, inputs))):
                     pass                # asynchronous, as below, without tracing again
                 else:
                     outs = self._run(prog, inputs)

@@ -73,9 +73,12 @@ class Programs:
         def placeholders():
             out = []
             for meta, spec in zip(req.inputs, req.input_specs):
-                t = torch.zeros(tuple(meta.shape),
-                                dtype=codec.dtype_from_name(meta.dtype)).to(dev)
-                self._shard(t, spec_from_proto(spec))
+                cpu = torch.zeros(tuple(meta.shape), dtype=codec.dtype_from_name(meta.dtype))
+                if self.spmd:
+                    t = cpu.to(dev)
+                    self._shard(t, spec_from_proto(spec))
+                else:
+                    t = self._device_data(cpu)     # a parameter, even a 0-dim zero
                 out.append(t)
             # donated like the real inputs, so the cached executable aliases the same way
             self._mark_donated(out, prog.donate)
@@ -132,10 +135,14 @@ class Programs:
         """How to launch ``prog``'s executable again without tracing it (before
         ``outs`` are synced): its graph hash and where each HLO parameter comes from.
         Tracing a call (``_xla_user_computation`` then a sync) costs ~35 µs here, a
-        cached launch ~24 µs (docs/architecture.md, Decision 20). Only for one-device
-        slices without donation: a sharded input whose layout differs from the
-        placeholder's, or a donated one, needs torch_xla's checks on each call."""
-        if self.spmd or prog.donate:
+        cached launch ~24 µs (docs/architecture.md, Decision 20); an optimizer update
+        over 48 parameters, donating them and their state, 7-12 ms against a launch.
+        Only for one-device slices: a sharded input whose layout differs from the
+        placeholder's needs torch_xla's checks on each call. A donating program's
+        executable aliases its donated inputs with outputs (the executor enables
+        torch_xla's buffer-donor aliasing), so it is launched only when a call donates
+        exactly those inputs (``_execute``)."""
+        if self.spmd:
             return None
         return self._plan_of(outs, ph)
 

@@ -87,7 +87,9 @@ class Transfers:
         """A CPU tensor onto the slice's devices with ``spec``. Sharded, each device
         gets only its shard, copied from ``cpu`` (which may be freed after): 2x
         faster here than a whole copy that ``mark_sharding`` then cuts."""
-        if not self.spmd or cpu.numel() == 0:
+        if not self.spmd:
+            return self._device_data(cpu)
+        if cpu.numel() == 0:
             t = cpu.to(self.device)
             self._shard(t, spec)
             return t
@@ -99,6 +101,13 @@ class Transfers:
             shards.append(cpu[tuple(slice(a, b) for a, b in block)])
         return self.torch_xla._XLAC._global_tensor_from_cpu_shards(
             shards, self.mesh.get_op_sharding(padded), list(shape))
+
+    def _device_data(self, cpu):
+        """A one-device buffer holding ``cpu``'s values: always a buffer of its own.
+        (``cpu.to(device)`` turns a 0-dim 0 or 1 into a constant of the next graph and
+        shares other scalars through a cache: neither can be launched cached, nor
+        donated.)"""
+        return self.torch_xla._XLAC._xla_tensors_from_aten([cpu], [str(self.device)])[0]
 
     def _readable(self, request):
         """The entry ``request`` names, ready and held for reading (``end_read`` it
