@@ -215,3 +215,30 @@ def test_cached_launches_keep_identity_constant_and_unused_cases(slices):
     for v in (0.0, 1.0, 5.0):
         assert torch.equal(unused_scalar(xa, pw.put(torch.tensor(v), s)).torch(), x * 2)
     assert s.stats().cached_launches == before
+
+
+@pw.program
+def sgd_step(w, g, lr, step):
+    w.sub_(lr * g)                        # in place: w is donated and written back
+    step.add_(1)
+    return (w * w).sum()
+
+
+def test_donating_calls_launch_cached_and_match_torch(slices):
+    """A program that updates its inputs in place donates them (its executable aliases
+    them with outputs) and launches cached; 0-dim inputs (a learning rate, a step count)
+    are graph parameters whatever their value, 0 and 1 included."""
+    s = slices[0]
+    g = torch.Generator().manual_seed(3)
+    w_cpu, step_cpu = torch.randn(8, generator=g), torch.tensor(0.0)
+    w, step = pw.put(w_cpu, s), pw.put(step_cpu, s)
+    before = s.stats().cached_launches
+    for lr_value in (1.0, 0.0, 0.5, 1.0, 0.25):
+        grad = torch.randn(8, generator=g)
+        got = sgd_step(w, pw.put(grad, s), pw.put(torch.tensor(lr_value), s), step)
+        w_cpu = w_cpu - lr_value * grad
+        step_cpu = step_cpu + 1
+        torch.testing.assert_close(got.torch(), (w_cpu * w_cpu).sum(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w.torch(), w_cpu, rtol=1e-6, atol=1e-6)
+        assert step.item() == step_cpu.item()
+    assert s.stats().cached_launches - before == 5
