@@ -161,8 +161,9 @@ class Programs:
         feed = [(position.get(i, -1), v) for i, v in zip(ids, values)]
         # An input that is not a parameter of the graph is unused (XLA dropped it: a
         # stage backward that reads its forward's saved activations instead of the
-        # recomputed ones), unless it is a scalar: torch_xla folds a scalar 0 or 1 (a
-        # "special scalar", such as a zero placeholder) into a constant.
+        # recomputed ones), unless it is a scalar: a 0-dim 0 or 1 that reached the
+        # device by ``.to(device)`` is a constant folded into the graph (store buffers
+        # come from ``_device_data`` and are not; the guard stays for any that do not).
         fed = {k for k, _ in feed if k >= 0}
         if any(k not in fed and inputs[k].dim() == 0 for k in range(len(inputs))):
             return None
