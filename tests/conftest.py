@@ -20,7 +20,8 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if not report.failed:
         return
-    cluster = pw.client.runtime._state.cluster
+    from pathways_torch.client import runtime   # not yet imported by a unit test
+    cluster = runtime._state.cluster
     logdir = getattr(cluster, "logdir", None)
     if not logdir or not os.path.isdir(logdir):
         return

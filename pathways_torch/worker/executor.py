@@ -35,6 +35,7 @@ from .checkpoint_io import CheckpointIO
 from .fused import Fusion
 from .oploop import OpLoop
 from .programs import Programs
+from .ready import wait_entries
 from .store import Entry
 from .transfers import Transfers
 
@@ -363,7 +364,7 @@ class ExecutorService(OpLoop, Programs, Transfers, BackPressure, CheckpointIO,
         timeout = request.timeout_s or 600.0
         deadline = time.monotonic() + timeout
         reply = pb.WaitReply()
-        ready = False
+        ready = []
         for bid in request.buffer_ids:
             try:
                 entry = self.store.wait_for(bid, request.after_seq,
@@ -381,12 +382,13 @@ class ExecutorService(OpLoop, Programs, Transfers, BackPressure, CheckpointIO,
                 reply.errors.append(entry.error)
                 reply.failed.append(True)
             else:
-                ready = True
+                ready.append(entry)
                 reply.errors.append(pb.BufferError())
                 reply.failed.append(False)
         if ready:
-            # Block until the device work queued so far (which produces them) is done.
-            self.torch_xla._XLAC._xla_wait_device_ops([])
+            # Block until the device work that produces them is done (where the
+            # runtime allows, not the work queued after it).
+            wait_entries(self.torch_xla._XLAC, ready)
         return reply
 
     def Stats(self, request, context):
@@ -484,7 +486,7 @@ class ExecutorService(OpLoop, Programs, Transfers, BackPressure, CheckpointIO,
                 if self._watcher is not me:
                     return
                 seq, served = store.processed, self._watch_asks
-            noted = store.take_noted()
+            noted, launched = store.take_noted()
             ev = self.pb.DispatchEvent(done_seq=seq)
             for bid in noted:
                 entry = store.get(bid)
@@ -495,7 +497,10 @@ class ExecutorService(OpLoop, Programs, Transfers, BackPressure, CheckpointIO,
                     ev.failed_ids.append(bid)
                     ev.errors.append(entry.error)
             try:
-                self.torch_xla._XLAC._xla_wait_device_ops([])
+                if launched is None:
+                    self.torch_xla._XLAC._xla_wait_device_ops([])
+                else:       # the buffers put since the last watermark, not what follows
+                    wait_entries(self.torch_xla._XLAC, [store.get(b) for b in launched])
             except Exception:
                 # a failed execution: its own outputs say so; stop vouching for readiness
                 log.warning("watermarks stopped: %s", traceback.format_exc())

@@ -194,20 +194,24 @@ class OpLoop:
             self._mark_donated(inputs, donated)
         rec = self.rec
         t0 = rec.now() if rec.on else 0
+        done = False                    # run to completion: Waits need not wait
         if err is None:
             try:
                 if self._in_gang:       # inside its gang op's grant: run to the end
                     outs = self._run(prog, inputs)
                     self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+                    done = True
                 elif self.arbiter is not None:
                     with self.arbiter.grant(
                             more=lambda: bool(self._ahead) or not self._queue.empty()):
                         outs = self._run(prog, inputs)
                         self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+                    done = True
                 elif t0:
                     # Profiling: run to completion, so the span is the device time.
                     outs = self._run(prog, inputs)
                     self.torch_xla._XLAC._xla_sync_multi(outs, [], wait=True)
+                    done = True
                 elif (prog.cached is not None and tuple(donated) == prog.donate
                       and (outs := self._launch(prog, inputs))):
                     pass                # asynchronous, as below, without tracing again
@@ -233,7 +237,9 @@ class OpLoop:
             return
         put = self.store.put
         for b, o, n, k in zip(op.outputs, outs, prog.out_nbytes, prog.out_shards):
-            put(b, Entry(o, None, n, prog.name, None, k))
+            e = Entry(o, None, n, prog.name, None, k)
+            e.done = done
+            put(b, e)
         for k in donated:           # the donated inputs' memory now holds outputs
             gone = self._err("donated", f"buffer {op.inputs[k]} was donated to program "
                              f"'{prog.name}'; read that program's outputs instead", prog.name)
@@ -333,7 +339,9 @@ class OpLoop:
         for prog, _, ids in seg.ops:
             for b, o, n, k in zip(ids, outs[at:at + len(ids)], prog.out_nbytes,
                                   prog.out_shards):
-                put(b, Entry(o, None, n, prog.name, None, k))
+                e = Entry(o, None, n, prog.name, None, k)
+                e.done = self._in_gang      # waited for above
+                put(b, e)
             at += len(ids)
         self.executed += seg.count
         self._fusion.launches += 1

@@ -6,15 +6,20 @@ import threading
 from typing import Dict, Optional
 
 
+# More buffers than this between two watermarks: wait for all device work instead.
+_MAX_LAUNCHED = 4096
+
+
 class Entry:
     __slots__ = ("tensor", "error", "nbytes", "origin", "pending", "shards", "readers",
-                 "donated")
+                 "donated", "done")
 
     def __init__(self, tensor=None, error=None, nbytes: int = 0, origin: str = "",
                  pending=None, shards: int = 1) -> None:
         self.shards = shards      # how many pieces each device's share is (1: replicated)
         self.readers = 0          # fetches and sends copying it off the device right now
         self.donated = False      # its device buffer now belongs to a program's output
+        self.done = False         # known computed (worker/ready.py), not just launched
         self.tensor = tensor      # a torch_xla tensor (possibly still being computed)
         self.error = error        # a pb.BufferError when the buffer could not be produced
         self.nbytes = nbytes
@@ -42,6 +47,10 @@ class ObjectStore:
         # pending: docs/architecture.md, Decision 20).
         self._wanted: list = []
         self._noted: list = []      # ids put failed or pending since the last take
+        # ids put with a device tensor since the last take (while noting): the buffers
+        # a watermark waits for; None when there were too many, or ones from before
+        # noting began, to list (the watermark then waits for all device work)
+        self._launched: Optional[list] = None
 
     def start_noting(self) -> None:
         """Note from now on, starting with the buffers already failed or pending."""
@@ -49,17 +58,20 @@ class ObjectStore:
             self.noting = True
             self._noted = [b for b, e in self.entries.items()
                            if e.error is not None or e.pending is not None]
+            self._launched = None
 
     def stop_noting(self) -> None:
         with self.cond:
-            self.noting, self._noted = False, []
+            self.noting, self._noted, self._launched = False, [], None
 
-    def take_noted(self) -> list:
-        """Ids of the buffers put with an error or a pending transfer since the last
-        call (only while ``noting``): what a completion watermark must look at."""
+    def take_noted(self) -> tuple:
+        """What a completion watermark must look at, put since the last call (only
+        while ``noting``): (ids of buffers put with an error or a pending transfer,
+        ids of buffers put with a device tensor, or None for "all device work")."""
         with self.cond:
             out, self._noted = self._noted, []
-            return out
+            launched, self._launched = self._launched, []
+            return out, launched
 
     def put(self, buffer_id: int, entry: Entry) -> None:
         with self.cond:
@@ -68,8 +80,13 @@ class ObjectStore:
                 self.bytes -= old.nbytes
                 self.device_bytes -= old.nbytes // old.shards
             self.entries[buffer_id] = entry
-            if self.noting and (entry.error is not None or entry.pending is not None):
-                self._noted.append(buffer_id)
+            if self.noting:
+                if entry.error is not None or entry.pending is not None:
+                    self._noted.append(buffer_id)
+                elif self._launched is not None and entry.tensor is not None:
+                    self._launched.append(buffer_id)
+                    if len(self._launched) > _MAX_LAUNCHED:
+                        self._launched = None
             self.bytes += entry.nbytes
             self.device_bytes += entry.nbytes // entry.shards
 

@@ -139,7 +139,7 @@ class Transfers:
         if err is not None:
             return None, None, err
         try:
-            return entry, self._host_parts(entry.tensor), None
+            return entry, self._host_parts(entry.tensor, entry.done), None
         except Exception as e:  # an asynchronous execution failure surfaces here
             self.store.end_read(entry)
             return None, None, self.pb.FetchChunk(has_error=True,
@@ -150,19 +150,21 @@ class Transfers:
         what = f"program '{entry.origin}'" if entry.origin else what
         return self._err("program", f"{what} failed on {self.where}: {e}", entry.origin)
 
-    def _host_parts(self, t) -> list:
+    def _host_parts(self, t, entry_done: bool = False) -> list:
         """The buffer's bytes on the host, as contiguous CPU tensors whose bytes, one
         after the other, are the whole tensor's (row-major), with as few copies as the
         runtime allows: a one-device buffer is viewed in place (DLPack; CPU device
         memory is host memory, other devices copy once); a sharded one is read shard
         by shard (torch_xla's gather of ``.cpu()`` is 3x slower here), once per
-        distinct shard, and only put together when its shards are not row blocks."""
+        distinct shard, and only put together when its shards are not row blocks.
+        ``entry_done``: the buffer is known computed (``Entry.done``)."""
         torch, XLAC = self.torch, self.torch_xla._XLAC
         if t.device.type != "xla":          # a status a save wrote: already on the host
             return [t.contiguous()]
         # the views below need the device work that produces ``t`` done (.cpu() waits
         # on its own); an execution's failure surfaces here
-        XLAC._xla_wait_device_ops([])
+        if not entry_done:
+            XLAC._xla_wait_device_ops([])
         if not self.spmd:
             if t.numel():
                 from torch_xla.utils import dlpack
@@ -373,7 +375,7 @@ class Transfers:
                         cpu[tuple(slice(s, s + n) for s, n in zip(b.start, b.shape))]
                         .contiguous()) for b in op.blocks]
                 else:
-                    payload = [codec.byte_view(p) for p in self._host_parts(entry.tensor)]
+                    payload = [codec.byte_view(p) for p in self._host_parts(entry.tensor, entry.done)]
         except Exception as e:
             error = self._read_failed(entry, e, "a transfer").SerializeToString()
             payload = None
