@@ -8,8 +8,8 @@ the program running after its buffer's had finished, so the client refilled the 
 more slowly than it drained (docs/architecture.md, Decision 21).
 
 So an entry knows when its buffer is computed (``Entry.done``): it was made by an
-execution run to completion (shared devices, a gang op, profiling), or a wait for all
-device work has passed since it was launched. Only the others wait for the devices.
+execution run to completion (shared devices, a gang op, profiling), or an earlier
+wait for all device work covered it. Only the others wait for the devices.
 
 What this does not do: wait for one launched buffer by itself. torch_xla 2.9 offers no
 call for that which is safe here. ``_on_ready_callback`` waits for all device work

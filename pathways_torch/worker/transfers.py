@@ -375,7 +375,8 @@ class Transfers:
                         cpu[tuple(slice(s, s + n) for s, n in zip(b.start, b.shape))]
                         .contiguous()) for b in op.blocks]
                 else:
-                    payload = [codec.byte_view(p) for p in self._host_parts(entry.tensor, entry.done)]
+                    payload = [codec.byte_view(p)
+                               for p in self._host_parts(entry.tensor, entry.done)]
         except Exception as e:
             error = self._read_failed(entry, e, "a transfer").SerializeToString()
             payload = None
