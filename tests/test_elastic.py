@@ -113,7 +113,12 @@ def test_without_restarts_a_lost_worker_is_raised(cluster, tmp_path):
 
     def on_step(i, loss):
         if i == 2:
-            os.kill(cluster.worker_pid(1), signal.SIGKILL)
+            executor = trainer.slices[0].stats(sync=False).pid
+            worker = cluster.worker_pid(1)
+            os.kill(worker, signal.SIGKILL)
+            # and its executor with it: until it is gone it may still finish every
+            # step (it did once the steps got faster), and nothing would be lost
+            assert wait_gone([worker, executor]) == []
 
     with pytest.raises(pw.WorkerLostError, match="island 1 host 0"):
         trainer.fit(data, checkpoint_dir=str(tmp_path), checkpoint_every=3,
