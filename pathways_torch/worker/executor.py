@@ -388,7 +388,7 @@ class ExecutorService(OpLoop, Programs, Transfers, BackPressure, CheckpointIO,
         if ready:
             # Block until the device work that produces them is done (where the
             # runtime allows, not the work queued after it).
-            wait_entries(self.torch_xla._XLAC, ready)
+            wait_entries(self.torch_xla._XLAC, ready, self.store, not self.spmd)
         return reply
 
     def Stats(self, request, context):
@@ -500,7 +500,8 @@ class ExecutorService(OpLoop, Programs, Transfers, BackPressure, CheckpointIO,
                 if launched is None:
                     self.torch_xla._XLAC._xla_wait_device_ops([])
                 else:       # the buffers put since the last watermark, not what follows
-                    wait_entries(self.torch_xla._XLAC, [store.get(b) for b in launched])
+                    wait_entries(self.torch_xla._XLAC, [store.get(b) for b in launched],
+                                 store, not self.spmd)
             except Exception:
                 # a failed execution: its own outputs say so; stop vouching for readiness
                 log.warning("watermarks stopped: %s", traceback.format_exc())

@@ -16,6 +16,7 @@ import time
 from ..rpc import codec, validate
 from ..sharding import P, device_block, spec_from_proto
 from .dataplane import listening
+from .ready import OWN_WAIT_MAX_BYTES
 from .store import Entry
 
 log = logging.getLogger("pathways.executor")
@@ -161,6 +162,11 @@ class Transfers:
         torch, XLAC = self.torch, self.torch_xla._XLAC
         if t.device.type != "xla":          # a status a save wrote: already on the host
             return [t.contiguous()]
+        if not self.spmd and not entry_done and t.numel() and \
+                t.numel() * t.element_size() <= OWN_WAIT_MAX_BYTES:
+            # A small one-device buffer still being computed: .cpu() waits for it alone,
+            # not for the programs launched after it (worker/ready.py), for one copy.
+            return [t.cpu().contiguous()]
         # the views below need the device work that produces ``t`` done (.cpu() waits
         # on its own); an execution's failure surfaces here
         if not entry_done:
