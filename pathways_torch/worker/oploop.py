@@ -237,9 +237,7 @@ class OpLoop:
             return
         put = self.store.put
         for b, o, n, k in zip(op.outputs, outs, prog.out_nbytes, prog.out_shards):
-            e = Entry(o, None, n, prog.name, None, k)
-            e.done = done
-            put(b, e)
+            put(b, Entry(o, None, n, prog.name, None, k, done))
         for k in donated:           # the donated inputs' memory now holds outputs
             gone = self._err("donated", f"buffer {op.inputs[k]} was donated to program "
                              f"'{prog.name}'; read that program's outputs instead", prog.name)
@@ -339,9 +337,8 @@ class OpLoop:
         for prog, _, ids in seg.ops:
             for b, o, n, k in zip(ids, outs[at:at + len(ids)], prog.out_nbytes,
                                   prog.out_shards):
-                e = Entry(o, None, n, prog.name, None, k)
-                e.done = self._in_gang      # waited for above
-                put(b, e)
+                # (inside a gang op: waited for above)
+                put(b, Entry(o, None, n, prog.name, None, k, self._in_gang))
             at += len(ids)
         self.executed += seg.count
         self._fusion.launches += 1

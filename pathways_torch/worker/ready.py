@@ -33,6 +33,13 @@ from typing import Iterable
 OWN_WAIT_MAX_BYTES = 1 << 20
 
 
+def waits_alone(t) -> bool:
+    """Whether a one-device buffer still being computed is waited for by itself (a copy
+    to the host) rather than by a wait for all device work."""
+    n = t.numel()
+    return 0 < n * t.element_size() <= OWN_WAIT_MAX_BYTES
+
+
 def wait_entries(XLAC, entries: Iterable, store=None, one_device: bool = False) -> None:
     """Block until the device buffers of ``entries`` (store Entries) are computed; an
     asynchronous execution's failure raises here. ``one_device``: the executor's
@@ -44,12 +51,11 @@ def wait_entries(XLAC, entries: Iterable, store=None, one_device: bool = False) 
     if one_device and store is not None:
         rest = []
         for e in left:
-            t = e.tensor
-            if not t.numel() or t.numel() * t.element_size() > OWN_WAIT_MAX_BYTES:
+            if not waits_alone(e.tensor):
                 rest.append(e)
             elif store.begin_read(e):       # (a donated one has nothing left to wait for)
                 try:
-                    t.cpu()
+                    e.tensor.cpu()
                 finally:
                     store.end_read(e)
                 e.done = True

@@ -15,11 +15,11 @@ class Entry:
                  "donated", "done")
 
     def __init__(self, tensor=None, error=None, nbytes: int = 0, origin: str = "",
-                 pending=None, shards: int = 1) -> None:
+                 pending=None, shards: int = 1, done: bool = False) -> None:
         self.shards = shards      # how many pieces each device's share is (1: replicated)
         self.readers = 0          # fetches and sends copying it off the device right now
         self.donated = False      # its device buffer now belongs to a program's output
-        self.done = False         # known computed (worker/ready.py), not just launched
+        self.done = done          # known computed (worker/ready.py), not just launched
         self.tensor = tensor      # a torch_xla tensor (possibly still being computed)
         self.error = error        # a pb.BufferError when the buffer could not be produced
         self.nbytes = nbytes

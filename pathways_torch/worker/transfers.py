@@ -16,7 +16,7 @@ import time
 from ..rpc import codec, validate
 from ..sharding import P, device_block, spec_from_proto
 from .dataplane import listening
-from .ready import OWN_WAIT_MAX_BYTES
+from .ready import waits_alone
 from .store import Entry
 
 log = logging.getLogger("pathways.executor")
@@ -140,7 +140,7 @@ class Transfers:
         if err is not None:
             return None, None, err
         try:
-            return entry, self._host_parts(entry.tensor, entry.done), None
+            return entry, self._host_parts(entry), None
         except Exception as e:  # an asynchronous execution failure surfaces here
             self.store.end_read(entry)
             return None, None, self.pb.FetchChunk(has_error=True,
@@ -151,25 +151,24 @@ class Transfers:
         what = f"program '{entry.origin}'" if entry.origin else what
         return self._err("program", f"{what} failed on {self.where}: {e}", entry.origin)
 
-    def _host_parts(self, t, entry_done: bool = False) -> list:
-        """The buffer's bytes on the host, as contiguous CPU tensors whose bytes, one
+    def _host_parts(self, entry) -> list:
+        """``entry``'s buffer on the host, as contiguous CPU tensors whose bytes, one
         after the other, are the whole tensor's (row-major), with as few copies as the
         runtime allows: a one-device buffer is viewed in place (DLPack; CPU device
         memory is host memory, other devices copy once); a sharded one is read shard
         by shard (torch_xla's gather of ``.cpu()`` is 3x slower here), once per
-        distinct shard, and only put together when its shards are not row blocks.
-        ``entry_done``: the buffer is known computed (``Entry.done``)."""
+        distinct shard, and only put together when its shards are not row blocks."""
         torch, XLAC = self.torch, self.torch_xla._XLAC
+        t = entry.tensor
         if t.device.type != "xla":          # a status a save wrote: already on the host
             return [t.contiguous()]
-        if not self.spmd and not entry_done and t.numel() and \
-                t.numel() * t.element_size() <= OWN_WAIT_MAX_BYTES:
+        if not self.spmd and not entry.done and waits_alone(t):
             # A small one-device buffer still being computed: .cpu() waits for it alone,
             # not for the programs launched after it (worker/ready.py), for one copy.
             return [t.cpu().contiguous()]
         # the views below need the device work that produces ``t`` done (.cpu() waits
         # on its own); an execution's failure surfaces here
-        if not entry_done:
+        if not entry.done:
             XLAC._xla_wait_device_ops([])
         if not self.spmd:
             if t.numel():
@@ -381,8 +380,7 @@ class Transfers:
                         cpu[tuple(slice(s, s + n) for s, n in zip(b.start, b.shape))]
                         .contiguous()) for b in op.blocks]
                 else:
-                    payload = [codec.byte_view(p)
-                               for p in self._host_parts(entry.tensor, entry.done)]
+                    payload = [codec.byte_view(p) for p in self._host_parts(entry)]
         except Exception as e:
             error = self._read_failed(entry, e, "a transfer").SerializeToString()
             payload = None
