@@ -174,9 +174,12 @@ class Transfers:
             if t.numel():
                 from torch_xla.utils import dlpack
                 try:
-                    return [torch.utils.dlpack.from_dlpack(dlpack.to_dlpack(t))]
+                    view = torch.utils.dlpack.from_dlpack(dlpack.to_dlpack(t))
                 except Exception:
-                    pass
+                    view = None
+                if view is not None and view.device.type == "cpu":
+                    return [view]
+                # another device kind's memory (a CUDA view): copy to the host below
             return [t.cpu().contiguous()]
         if XLAC._get_xla_sharding_spec(t) in ("", "{replicated}") or not t.numel():
             return [t.cpu().contiguous()]
