@@ -126,6 +126,59 @@ def test_fast_path_respects_shapes_donation_and_release(slices):
         bump(c)
 
 
+@pw.program
+def mix(params, xs, bias=None):
+    return {"y": xs[0] @ params["w1"] - xs[1] @ params["w2"] + bias,
+            "n": params["w2"].sum()}, [xs[1] * 2]
+
+
+def test_calls_with_dicts_and_lists_take_the_fast_path_and_match_torch(slices,
+                                                                       monkeypatch):
+    """Arrays in dicts, lists and keyword arguments (a model's parameters): repeat calls
+    skip the general path, in the order torch's pytree flattens them (a dict's
+    insertion order, here not sorted); anything else in them goes the general way."""
+    s = slices[0]
+    g = torch.Generator().manual_seed(1)
+    w1, w2, x0, x1, b = (torch.randn(4, 4, generator=g) for _ in range(5))
+
+    def want(p, xs, bias):
+        return ({"y": xs[0] @ p["w1"] - xs[1] @ p["w2"] + bias, "n": p["w2"].sum()},
+                [xs[1] * 2])
+
+    general = []
+    slow = mix._slow_call
+    monkeypatch.setattr(mix, "_slow_call", lambda a, k: general.append(1) or slow(a, k))
+
+    def check(params, xs, bias, expected):
+        out, rest = mix(params, xs, bias=bias)
+        torch.testing.assert_close(out["y"].torch(), expected[0]["y"], rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(out["n"].torch(), expected[0]["n"], rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(rest[0].torch(), expected[1][0])
+
+    arrays = {k: pw.put(v, s) for k, v in dict(w1=w1, w2=w2, x0=x0, x1=x1, b=b).items()}
+    params = {"w2": arrays["w2"], "w1": arrays["w1"]}          # not sorted
+    xs = [arrays["x0"], arrays["x1"]]
+    for _ in range(3):
+        check(params, xs, arrays["b"], want({"w1": w1, "w2": w2}, [x0, x1], b))
+    assert len(general) == 1                   # only the first call traced and keyed
+    check({"w1": arrays["w1"], "w2": arrays["w2"]}, xs, arrays["b"],   # another order
+          want({"w1": w1, "w2": w2}, [x0, x1], b))
+    check(params, [arrays["x0"], x1], arrays["b"],                     # a CPU tensor
+          want({"w1": w1, "w2": w2}, [x0, x1], b))
+    check(params, (arrays["x1"], arrays["x0"]), arrays["b"],           # a tuple
+          want({"w1": w1, "w2": w2}, [x1, x0], b))
+    assert len(general) == 4
+    check(params, [arrays["x1"], arrays["x0"]], arrays["b"],           # fast again
+          want({"w1": w1, "w2": w2}, [x1, x0], b))
+    assert len(general) == 4
+    donor = pw.program(lambda d: {k: v * 3 for k, v in d.items()}, donate_argnums=(0,))
+    donor(params)
+    with pytest.raises(pw.PlacementError, match="donated"):
+        mix(params, xs, bias=arrays["b"])
+
+
 def chain_graph(s, other, xa, wa, ba, k):
     """A recorded graph: a chain, an output used twice, an input used twice, a move to
     another slice in the middle (which ends a fused run) and two outputs."""

@@ -80,6 +80,30 @@ class _Fast:
 _MISS = object()
 
 
+def _tree_key(obj, leaves: list, key: list) -> bool:
+    """Flatten ``obj`` (Arrays in dicts, lists and tuples) into ``leaves`` in the order
+    torch's pytree flattens it, and append its structure and each Array's (shape, dtype,
+    spec) to ``key``. False for anything else (a tensor, a static value, another
+    container): the call then takes the general path, which handles every pytree."""
+    t = type(obj)
+    if t is Array:
+        leaves.append(obj)
+        key.append((obj.shape, obj.dtype, obj.sharding))
+        return True
+    if t is dict:
+        key.append(("d", tuple(obj)))
+        items = obj.values()
+    elif t is tuple or t is list:
+        key.append((t, len(obj)))
+        items = obj
+    else:
+        return False
+    for v in items:
+        if not _tree_key(v, leaves, key):
+            return False
+    return True
+
+
 class Program:
     """A compiled, sharded function. Create with the ``@pw.program`` decorator."""
 
@@ -97,6 +121,7 @@ class Program:
         self._traces: dict = {}
         self._compiled: dict = {}
         self._fast: dict = {}       # (slice uid, (shape, dtype, spec) per arg) -> _Fast
+        self._fast_tree: dict = {}  # (slice uid, _tree_key of (args, kwargs)) -> _Fast
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ call
@@ -117,6 +142,10 @@ class Program:
             out = self._fast_call(args)
             if out is not _MISS:
                 return out
+        if self._fast_tree:
+            out = self._tree_call(args, kwargs)
+            if out is not _MISS:
+                return out
         return self._slow_call(args, kwargs)
 
     def _fast_call(self, args):
@@ -134,15 +163,36 @@ class Program:
         f = self._fast.get(tuple(key))
         if f is None:
             return _MISS
+        return self._launch_fast(f, slice_, args)
+
+    def _tree_call(self, args, kwargs):
+        """The same for Arrays in dicts, lists and tuples (a model's parameters, an
+        optimizer's state): one walk over the arguments gives the inputs and the key."""
+        leaves: list = []
+        key: list = []
+        if not _tree_key((args, kwargs), leaves, key) or not leaves:
+            return _MISS
+        slice_ = leaves[0].slice
+        for a in leaves:
+            if a.slice is not slice_ or a._donated:
+                return _MISS
+        key.append(slice_.uid)
+        f = self._fast_tree.get(tuple(key))
+        if f is None:
+            return _MISS
+        return self._launch_fast(f, slice_, leaves)
+
+    def _launch_fast(self, f: _Fast, slice_, inputs: list):
+        """Queue ``f``'s program on ``inputs`` (Arrays on ``slice_``); its outputs."""
         runtime.check_alive(slice_)
         g = graph_mod.current()
         if g is not None:
-            g.keep(*args)
+            g.keep(*inputs)
         conn = slice_._conn
         new_id = conn.new_id
         out_ids = [new_id() for _ in f.outs]
         seq = conn.send(pb.Op(execute=pb.ExecuteOp(
-            program_id=f.program_id, inputs=[a._id for a in args], outputs=out_ids)))
+            program_id=f.program_id, inputs=[a._id for a in inputs], outputs=out_ids)))
         origin = f.origin
         arrays = [Array(slice_, b, seq, shape, dtype, spec, origin, hlo)
                   for b, ((shape, dtype), spec, hlo) in zip(out_ids, f.outs)]
@@ -236,11 +286,10 @@ class Program:
                 self._write_back(leaves[dyn_pos[written[o]]], new)
             elif o < traced.kept_outputs:
                 arrays.append(new)          # (an extra output is dropped: released)
-        if (not kwargs and not donate and not mutated and not traced.rng and not written
-                and state.dispatch != "sequential" and len(leaves) == len(args)
-                and all(type(a) is Array and a.slice is slice_ for a in args)):
-            key = (slice_.uid,) + tuple((a.shape, a.dtype, a.sharding) for a in args)
-            self._fast[key] = _Fast(traced, compiled, origin)
+        if (not donate and not mutated and not traced.rng and not written
+                and state.dispatch != "sequential"):
+            self._remember_fast(args, kwargs, len(leaves), slice_, _Fast(
+                traced, compiled, origin))
         arrays = iter(arrays)
         flat = [next(arrays) if s is TENSOR else s for s in traced.out_static]
         return pytree.tree_unflatten(flat, traced.out_tree)
@@ -267,6 +316,23 @@ class Program:
             g.keep(husk)
 
     # ------------------------------------------------------------------ helpers
+    def _remember_fast(self, args, kwargs, n_leaves: int, slice_, f: _Fast) -> None:
+        """Let later calls with this signature skip the general path: flat Array
+        arguments under ``_fast``, Arrays in dicts, lists and tuples under
+        ``_fast_tree``; nothing when an argument is anything else (a tensor, a
+        static value), which only the general path handles."""
+        if not kwargs and len(args) == n_leaves and all(
+                type(a) is Array and a.slice is slice_ for a in args):
+            key = (slice_.uid,) + tuple((a.shape, a.dtype, a.sharding) for a in args)
+            self._fast[key] = f
+            return
+        leaves: list = []
+        key: list = []
+        if (_tree_key((args, kwargs), leaves, key) and len(leaves) == n_leaves
+                and all(a.slice is slice_ for a in leaves)):
+            key.append(slice_.uid)
+            self._fast_tree[tuple(key)] = f
+
     @staticmethod
     def _spec_on(a: Array, slice_) -> P:
         """The input's spec if it is valid on the program's slice, else replicated."""
