@@ -179,6 +179,50 @@ def test_calls_with_dicts_and_lists_take_the_fast_path_and_match_torch(slices,
         mix(params, xs, bias=arrays["b"])
 
 
+@pw.program
+def sgd(params, grads, lr, hyper):
+    for n, p in params.items():                 # in place: written back to the Arrays
+        p.sub_(lr * grads[n] * hyper["scale"])
+    return (params["w"] * 2).sum()
+
+
+@pw.program
+def noisy(x):
+    return x + torch.rand_like(x)
+
+
+def test_updates_in_place_statics_tensors_and_random_calls_take_the_fast_path(slices,
+                                                                            monkeypatch):
+    """What an optimizer step passes: parameters updated in place (donated, written
+    back), a CPU learning-rate tensor (put on every call), static hyperparameters (in
+    the key: another value traces again). And a call that draws random numbers draws a
+    new seed each time. All as plain torch computes them."""
+    s = slices[0]
+    general = []
+    for prog in (sgd, noisy):
+        slow = prog._slow_call
+        monkeypatch.setattr(prog, "_slow_call",
+                            lambda a, k, slow=slow: general.append(1) or slow(a, k))
+    g = torch.Generator().manual_seed(2)
+    w, b, gw, gb = (torch.randn(3, 3, generator=g) for _ in range(4))
+    params = {"w": pw.put(w, s), "b": pw.put(b, s)}
+    grads = {"w": pw.put(gw, s), "b": pw.put(gb, s)}
+    ids = {n: a for n, a in params.items()}
+    for lr, scale in ((0.1, 1.0), (0.2, 1.0), (0.3, 1.0), (0.1, 0.5), (0.1, 0.5)):
+        out = sgd(params, grads, torch.tensor(lr), {"scale": scale})
+        w, b = w - lr * gw * scale, b - lr * gb * scale
+        torch.testing.assert_close(params["w"].torch(), w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(params["b"].torch(), b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.torch(), (w * 2).sum(), rtol=1e-5, atol=1e-5)
+    assert all(params[n] is ids[n] for n in params)     # the same Arrays, updated
+    assert len(general) == 2                 # a new static value traced once more
+    x = pw.put(torch.zeros(64), s)
+    draws = [noisy(x).torch() for _ in range(3)]
+    assert len(general) == 3
+    assert not torch.equal(draws[1], draws[2])  # a new seed on the fast path too
+    assert all(((d >= 0) & (d < 1)).all() for d in draws)
+
+
 def chain_graph(s, other, xa, wa, ba, k):
     """A recorded graph: a chain, an output used twice, an input used twice, a move to
     another slice in the middle (which ends a fused run) and two outputs."""

@@ -56,11 +56,14 @@ class _Compiled:
 
 class _Fast:
     """What a repeat call with the same Arrays (slice, shapes, dtypes, specs) needs:
-    the compiled program and its outputs, so the call skips flattening, keys,
-    tracing-cache and compile-cache lookups (docs/architecture.md, Decision 20)."""
-    __slots__ = ("program_id", "outs", "kept", "origin", "single", "static", "tree")
+    the compiled program, its outputs, and which inputs it donates or updates in place,
+    so the call skips flattening, keys, tracing-cache and compile-cache lookups
+    (docs/architecture.md, Decision 20)."""
+    __slots__ = ("program_id", "outs", "kept", "origin", "single", "static", "tree",
+                 "name", "donate", "mutated", "written", "puts", "rng")
 
-    def __init__(self, traced: Traced, compiled: _Compiled, origin: str) -> None:
+    def __init__(self, traced: Traced, compiled: _Compiled, origin: str, name: str,
+                 donate: tuple, puts: bool) -> None:
         self.program_id = compiled.program_id
         self.outs = list(zip(traced.out_avals, compiled.out_specs, compiled.out_hlo))
         self.kept = traced.kept_outputs
@@ -68,6 +71,12 @@ class _Fast:
         self.static, self.tree = traced.out_static, traced.out_tree
         self.single = (len(self.static) == 1 and self.static[0] is TENSOR and
                        self.tree.is_leaf())
+        self.name = name
+        self.donate = donate                    # input positions donated
+        self.mutated = traced.mutated_inputs    # input positions updated in place
+        self.written = traced.written_by        # output -> the input it updates
+        self.puts = puts                        # CPU tensors among the inputs
+        self.rng = traced.rng                   # a seed is drawn and put per call
 
     def build(self, arrays: list):
         if self.single:
@@ -78,13 +87,18 @@ class _Fast:
 
 
 _MISS = object()
+_MAX_FAST = 4096        # remembered signatures per program and table
+
+
+_KEYED_STATICS = frozenset((int, float, bool, str, complex, torch.dtype))
 
 
 def _tree_key(obj, leaves: list, key: list) -> bool:
-    """Flatten ``obj`` (Arrays in dicts, lists and tuples) into ``leaves`` in the order
-    torch's pytree flattens it, and append its structure and each Array's (shape, dtype,
-    spec) to ``key``. False for anything else (a tensor, a static value, another
-    container): the call then takes the general path, which handles every pytree."""
+    """Walk ``obj`` as torch's pytree flattens it, for Arrays, CPU tensors and static
+    values in dicts, lists and tuples: the Arrays and tensors go to ``leaves`` in order,
+    and the structure, each leaf's (shape, dtype, spec) and each static value to
+    ``key``. False for anything else (another container or leaf type): the call then
+    takes the general path, which handles every pytree."""
     t = type(obj)
     if t is Array:
         leaves.append(obj)
@@ -96,6 +110,16 @@ def _tree_key(obj, leaves: list, key: list) -> bool:
     elif t is tuple or t is list:
         key.append((t, len(obj)))
         items = obj
+    elif t is torch.Tensor:
+        leaves.append(obj)
+        key.append(("T", obj.shape, obj.dtype))
+        return True
+    elif t in _KEYED_STATICS:
+        key.append(("S", t, obj))
+        return True
+    elif obj is None:
+        key.append(None)
+        return True
     else:
         return False
     for v in items:
@@ -166,15 +190,18 @@ class Program:
         return self._launch_fast(f, slice_, args)
 
     def _tree_call(self, args, kwargs):
-        """The same for Arrays in dicts, lists and tuples (a model's parameters, an
-        optimizer's state): one walk over the arguments gives the inputs and the key."""
+        """The same for Arrays and CPU tensors in dicts, lists and tuples, beside static
+        values (a model's parameters, an optimizer's state and hyperparameters): one
+        walk over the arguments gives the inputs and the key."""
         leaves: list = []
         key: list = []
-        if not _tree_key((args, kwargs), leaves, key) or not leaves:
+        if not _tree_key((args, kwargs), leaves, key):
             return _MISS
-        slice_ = leaves[0].slice
+        slice_ = next((a.slice for a in leaves if type(a) is Array), None)
+        if slice_ is None:
+            return _MISS
         for a in leaves:
-            if a.slice is not slice_ or a._donated:
+            if type(a) is Array and (a.slice is not slice_ or a._donated):
                 return _MISS
         key.append(slice_.uid)
         f = self._fast_tree.get(tuple(key))
@@ -182,9 +209,24 @@ class Program:
             return _MISS
         return self._launch_fast(f, slice_, leaves)
 
-    def _launch_fast(self, f: _Fast, slice_, inputs: list):
-        """Queue ``f``'s program on ``inputs`` (Arrays on ``slice_``); its outputs."""
+    def _launch_fast(self, f: _Fast, slice_, inputs):
+        """Queue ``f``'s program on ``inputs`` (Arrays on ``slice_``, CPU tensors to put
+        there); its outputs, with torch's in-place updates written back, as the general
+        path does. _MISS when an input to donate is passed twice (the general path then
+        donates neither)."""
+        donate = f.donate
+        if donate:
+            arrays = [id(a) for a in inputs if type(a) is Array]
+            if len(set(arrays)) != len(arrays):
+                return _MISS
         runtime.check_alive(slice_)
+        if f.puts:
+            inputs = [put(a, slice_, P()) if type(a) is torch.Tensor else a
+                      for a in inputs]
+        if f.rng:
+            seed = self._seeds() if self._seeds is not None else runtime.next_seed()
+            inputs = list(inputs)
+            inputs.append(put(torch.tensor(seed, dtype=torch.int64), slice_, P()))
         g = graph_mod.current()
         if g is not None:
             g.keep(*inputs)
@@ -192,11 +234,23 @@ class Program:
         new_id = conn.new_id
         out_ids = [new_id() for _ in f.outs]
         seq = conn.send(pb.Op(execute=pb.ExecuteOp(
-            program_id=f.program_id, inputs=[a._id for a in inputs], outputs=out_ids)))
+            program_id=f.program_id, inputs=[a._id for a in inputs], outputs=out_ids,
+            donate=donate)))
+        for k in donate:
+            if k not in f.mutated:
+                inputs[k]._donated = f.name
         origin = f.origin
         arrays = [Array(slice_, b, seq, shape, dtype, spec, origin, hlo)
                   for b, ((shape, dtype), spec, hlo) in zip(out_ids, f.outs)]
-        return f.build(arrays[:f.kept])       # (extra outputs are dropped: released)
+        if not f.written:
+            return f.build(arrays[:f.kept])   # (extra outputs are dropped: released)
+        kept, written = [], f.written
+        for o, new in enumerate(arrays):
+            if o in written:
+                self._write_back(inputs[written[o]], new)
+            elif o < f.kept:
+                kept.append(new)
+        return f.build(kept)
 
     def _slow_call(self, args, kwargs):
         state = runtime.get_state()
@@ -264,10 +318,15 @@ class Program:
 
         out_specs = self._resolve_out_specs(traced, slice_)
         in_specs = tuple(a.sharding for a in inputs)
+        wanted = len(donate)
         donate = tuple(k for k in donate if inputs[k].slice is slice_ and
                        sum(a is inputs[k] for a in inputs) == 1)
         compiled = self._compile(traced, slice_, inputs, in_specs, out_specs, donate)
 
+        # Keyed before the call (writing updates back may change the inputs' specs), and
+        # not when an input passed twice kept its donation from this call.
+        fast = (self._fast_key(args, kwargs, [leaves[i] for i in dyn_pos], slice_)
+                if state.dispatch != "sequential" and len(donate) == wanted else None)
         conn = slice_._conn
         out_ids = [conn.new_id() for _ in traced.out_avals]
         seq = conn.send(pb.Op(execute=pb.ExecuteOp(
@@ -286,10 +345,11 @@ class Program:
                 self._write_back(leaves[dyn_pos[written[o]]], new)
             elif o < traced.kept_outputs:
                 arrays.append(new)          # (an extra output is dropped: released)
-        if (not donate and not mutated and not traced.rng and not written
-                and state.dispatch != "sequential"):
-            self._remember_fast(args, kwargs, len(leaves), slice_, _Fast(
-                traced, compiled, origin))
+        if fast is not None:
+            table = fast[0]
+            if len(table) >= _MAX_FAST:     # signatures that keep changing (a float
+                table.clear()               # argument drawn anew per call) stay bounded
+            table[fast[1]] = _Fast(traced, compiled, origin, self.name, donate, fast[2])
         arrays = iter(arrays)
         flat = [next(arrays) if s is TENSOR else s for s in traced.out_static]
         return pytree.tree_unflatten(flat, traced.out_tree)
@@ -316,22 +376,24 @@ class Program:
             g.keep(husk)
 
     # ------------------------------------------------------------------ helpers
-    def _remember_fast(self, args, kwargs, n_leaves: int, slice_, f: _Fast) -> None:
-        """Let later calls with this signature skip the general path: flat Array
-        arguments under ``_fast``, Arrays in dicts, lists and tuples under
-        ``_fast_tree``; nothing when an argument is anything else (a tensor, a
-        static value), which only the general path handles."""
-        if not kwargs and len(args) == n_leaves and all(
+    def _fast_key(self, args, kwargs, dynamic: list, slice_) -> Optional[tuple]:
+        """Where later calls with this signature find it, skipping the general path:
+        (``_fast``, key, False) for flat Array arguments, (``_fast_tree``, key, whether
+        CPU tensors are put) for Arrays, tensors and static values in dicts, lists and
+        tuples; None for anything else, which only the general path handles.
+        ``dynamic``: the general path's tensor leaves, which the walk must find too."""
+        if not kwargs and len(args) == len(dynamic) and all(
                 type(a) is Array and a.slice is slice_ for a in args):
-            key = (slice_.uid,) + tuple((a.shape, a.dtype, a.sharding) for a in args)
-            self._fast[key] = f
-            return
+            return self._fast, (slice_.uid,) + tuple(
+                (a.shape, a.dtype, a.sharding) for a in args), False
         leaves: list = []
         key: list = []
-        if (_tree_key((args, kwargs), leaves, key) and len(leaves) == n_leaves
-                and all(a.slice is slice_ for a in leaves)):
-            key.append(slice_.uid)
-            self._fast_tree[tuple(key)] = f
+        if (not _tree_key((args, kwargs), leaves, key) or len(leaves) != len(dynamic)
+                or any(a is not b for a, b in zip(leaves, dynamic))
+                or any(type(a) is Array and a.slice is not slice_ for a in leaves)):
+            return None
+        key.append(slice_.uid)
+        return self._fast_tree, tuple(key), any(type(a) is torch.Tensor for a in leaves)
 
     @staticmethod
     def _spec_on(a: Array, slice_) -> P:
