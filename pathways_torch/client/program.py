@@ -128,6 +128,38 @@ def _tree_key(obj, leaves: list, key: list) -> bool:
     return True
 
 
+def _flat_signature(args) -> Optional[tuple]:
+    """(key, slice) of a call whose arguments are all Arrays on one slice, none donated;
+    None otherwise. The key: the slice and each Array's (shape, dtype, spec)."""
+    try:
+        slice_ = args[0].slice
+    except (IndexError, AttributeError):
+        return None
+    key = [slice_.uid]
+    for a in args:
+        if type(a) is not Array or a.slice is not slice_ or a._donated:
+            return None
+        key.append((a.shape, a.dtype, a.sharding))
+    return tuple(key), slice_
+
+
+def _tree_signature(args, kwargs) -> Optional[tuple]:
+    """(inputs, key, slice) of a call that ``_tree_key`` walks whose Arrays are on one
+    slice, none donated; None otherwise."""
+    leaves: list = []
+    key: list = []
+    if not _tree_key((args, kwargs), leaves, key):
+        return None
+    slice_ = next((a.slice for a in leaves if type(a) is Array), None)
+    if slice_ is None:
+        return None
+    for a in leaves:
+        if type(a) is Array and (a.slice is not slice_ or a._donated):
+            return None
+    key.append(slice_.uid)
+    return leaves, tuple(key), slice_
+
+
 class Program:
     """A compiled, sharded function. Create with the ``@pw.program`` decorator."""
 
@@ -175,39 +207,21 @@ class Program:
     def _fast_call(self, args):
         """A call whose arguments are all Arrays on one slice, with a signature called
         before: only ids, one message and the output Arrays. _MISS otherwise."""
-        try:
-            slice_ = args[0].slice
-        except (IndexError, AttributeError):
-            return _MISS
-        key = [slice_.uid]
-        for a in args:
-            if type(a) is not Array or a.slice is not slice_ or a._donated:
-                return _MISS
-            key.append((a.shape, a.dtype, a.sharding))
-        f = self._fast.get(tuple(key))
+        sig = _flat_signature(args)
+        f = self._fast.get(sig[0]) if sig is not None else None
         if f is None:
             return _MISS
-        return self._launch_fast(f, slice_, args)
+        return self._launch_fast(f, sig[1], args)
 
     def _tree_call(self, args, kwargs):
         """The same for Arrays and CPU tensors in dicts, lists and tuples, beside static
         values (a model's parameters, an optimizer's state and hyperparameters): one
         walk over the arguments gives the inputs and the key."""
-        leaves: list = []
-        key: list = []
-        if not _tree_key((args, kwargs), leaves, key):
-            return _MISS
-        slice_ = next((a.slice for a in leaves if type(a) is Array), None)
-        if slice_ is None:
-            return _MISS
-        for a in leaves:
-            if type(a) is Array and (a.slice is not slice_ or a._donated):
-                return _MISS
-        key.append(slice_.uid)
-        f = self._fast_tree.get(tuple(key))
+        sig = _tree_signature(args, kwargs)
+        f = self._fast_tree.get(sig[1]) if sig is not None else None
         if f is None:
             return _MISS
-        return self._launch_fast(f, slice_, leaves)
+        return self._launch_fast(f, sig[2], sig[0])
 
     def _launch_fast(self, f: _Fast, slice_, inputs):
         """Queue ``f``'s program on ``inputs`` (Arrays on ``slice_``, CPU tensors to put
@@ -216,8 +230,8 @@ class Program:
         donates neither)."""
         donate = f.donate
         if donate:
-            arrays = [id(a) for a in inputs if type(a) is Array]
-            if len(set(arrays)) != len(arrays):
+            ids = [id(a) for a in inputs if type(a) is Array]
+            if len(set(ids)) != len(ids):
                 return _MISS
         runtime.check_alive(slice_)
         if f.puts:
@@ -382,18 +396,14 @@ class Program:
         CPU tensors are put) for Arrays, tensors and static values in dicts, lists and
         tuples; None for anything else, which only the general path handles.
         ``dynamic``: the general path's tensor leaves, which the walk must find too."""
-        if not kwargs and len(args) == len(dynamic) and all(
-                type(a) is Array and a.slice is slice_ for a in args):
-            return self._fast, (slice_.uid,) + tuple(
-                (a.shape, a.dtype, a.sharding) for a in args), False
-        leaves: list = []
-        key: list = []
-        if (not _tree_key((args, kwargs), leaves, key) or len(leaves) != len(dynamic)
-                or any(a is not b for a, b in zip(leaves, dynamic))
-                or any(type(a) is Array and a.slice is not slice_ for a in leaves)):
+        sig = None if kwargs else _flat_signature(args)
+        if sig is not None and sig[1] is slice_:
+            return self._fast, sig[0], False
+        sig = _tree_signature(args, kwargs)
+        if (sig is None or sig[2] is not slice_ or len(sig[0]) != len(dynamic)
+                or any(a is not b for a, b in zip(sig[0], dynamic))):
             return None
-        key.append(slice_.uid)
-        return self._fast_tree, tuple(key), any(type(a) is torch.Tensor for a in leaves)
+        return self._fast_tree, sig[1], any(type(a) is torch.Tensor for a in sig[0])
 
     @staticmethod
     def _spec_on(a: Array, slice_) -> P:
