@@ -193,6 +193,62 @@ def member_blocks(shape: Sequence[int], spec: P, axis_names: Sequence[str],
     return blocks, where
 
 
+def host_box(blocks: Sequence[Block], what: str = "array") -> Block:
+    """The one box that a host's distinct ``blocks`` fill exactly.
+
+    A host of a slice that spans hosts sees its part of an array as one tensor (what
+    ``pw.colocated`` hands its function, and what the function hands back). That needs
+    the part to be a box: raises ShardingError when the blocks leave holes in their
+    bounding box, as ``P(("model", "data"))`` does when "data" crosses hosts."""
+    rank = len(blocks[0])
+    box = tuple((min(b[d][0] for b in blocks), max(b[d][1] for b in blocks))
+                for d in range(rank))
+    filled = sum(math.prod(e - s for s, e in b) for b in blocks)
+    if filled != math.prod(e - s for s, e in box):
+        raise ShardingError(
+            f"{what}: a host's devices hold {len(blocks)} pieces that are not one box of "
+            f"the array ({list(blocks)}), so a host cannot see its part as one tensor; "
+            "split that dimension over the host-crossing axis first (P(('data', 'model')) "
+            "when 'data' crosses hosts) or over one axis")
+    return box
+
+
+def member_region(local_shape: Sequence[int], spec: P, axis_names: Sequence[str],
+                  mesh_shape: Sequence[int], member: int, members: int,
+                  what: str = "array") -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """The global shape of an array of which host ``member`` holds a region of
+    ``local_shape`` under ``spec``, and where that region starts.
+
+    The inverse of ``member_blocks``: what a host that made only its own part of an
+    array (a ``pw.colocated`` function's output) needs to place it. Raises
+    ShardingError when ``local_shape`` cannot be this host's part of any array.
+
+    Example: on a (2, 2) ("data", "model") mesh over 2 hosts (one "data" row each),
+    ``member_region((4, 6), P("data"), ("data", "model"), (2, 2), 1, 2)`` is
+    ``((8, 6), (4, 0))``: host 1's 4 rows are rows 4-7 of 8."""
+    if len(spec) > len(local_shape):
+        raise ShardingError(f"{what}: spec {spec!r} has {len(spec)} entries but the "
+                            f"{what} has rank {len(local_shape)} (shape "
+                            f"{tuple(local_shape)}); give at most one entry per dimension")
+    validate_spec(spec, [0] * len(local_shape), axis_names, mesh_shape, what)  # the axes
+    sizes = dict(zip(axis_names, mesh_shape))
+    shards = [math.prod(sizes[a] for a in spec.axes(d)) for d in range(len(local_shape))]
+    # One element per shard: the blocks then count shards, and the box says which
+    # shards this host holds along each dimension.
+    blocks, _ = member_blocks(shards, spec, axis_names, mesh_shape, member, members)
+    box = host_box(blocks, what)
+    shape, start = [], []
+    for d, ((s, e), n) in enumerate(zip(box, local_shape)):
+        held = e - s
+        if n % held:
+            raise ShardingError(
+                f"{what}: dimension {d} has size {n} on this host, whose devices hold "
+                f"{held} shards of it under {spec!r}; return a size divisible by {held}")
+        shape.append(n // held * shards[d])
+        start.append(n // held * s)
+    return tuple(shape), tuple(start)
+
+
 def _unravel(position: int, mesh_shape: Sequence[int]) -> List[int]:
     out = []
     for n in reversed(mesh_shape):

@@ -4,8 +4,9 @@ import pytest
 
 from pathways_torch import P, ShardingError
 from pathways_torch.rpc import pathways_pb2 as pb
-from pathways_torch.sharding import (shard_shape, spec_candidates, spec_from_proto,
-                                     spec_to_proto, validate_spec)
+from pathways_torch.sharding import (host_box, member_blocks, member_region, shard_shape,
+                                     spec_candidates, spec_from_proto, spec_to_proto,
+                                     validate_spec)
 
 AXES, MESH = ("data", "model"), (4, 2)
 
@@ -57,3 +58,34 @@ def test_candidates_are_unique_and_valid():
 def test_shard_shape():
     assert shard_shape((64, 128), P("data", "model"), AXES, MESH) == (16, 64)
     assert shard_shape((64, 128), P(("data", "model")), AXES, MESH) == (8, 128)
+
+
+@pytest.mark.parametrize("mesh,members", [((4, 2), 2), ((4, 2), 4), ((2, 4), 2),
+                                          ((4, 2), 8)])
+def test_member_region_inverts_member_blocks(mesh, members):
+    """For every spec whose host parts are boxes: the box a host holds of an array,
+    given only its shape, leads back to the array's shape and the box's start."""
+    shape, checked = (16, 8), 0
+    for spec in spec_candidates(2, AXES):
+        for m in range(members):
+            blocks, _ = member_blocks(shape, spec, AXES, mesh, m, members)
+            try:
+                box = host_box(blocks)
+            except ShardingError:
+                with pytest.raises(ShardingError, match="not one box"):
+                    member_region((1, 1), spec, AXES, mesh, m, members)
+                continue
+            local = tuple(e - s for s, e in box)
+            assert member_region(local, spec, AXES, mesh, m, members) == (
+                shape, tuple(s for s, _ in box)), (spec, m)
+            checked += 1
+    assert checked >= len(spec_candidates(2, AXES)) * members // 2
+
+
+def test_member_region_refuses_what_no_array_splits_into():
+    with pytest.raises(ShardingError, match="divisible by 2"):     # 2 data rows a host
+        member_region((3, 8), P("data"), AXES, MESH, 0, 2)
+    with pytest.raises(ShardingError, match="rank 1"):
+        member_region((4,), P(None, "data"), AXES, MESH, 0, 2)
+    with pytest.raises(ShardingError, match="'batch'"):
+        member_region((4,), P("batch"), AXES, MESH, 0, 2)

@@ -220,8 +220,62 @@ def test_colocated_runs_on_each_host_with_its_own_rows(wide):
     assert [h["first"] for h in per_host] == [0.0, 24.0]
     assert sum(h["sum"] for h in per_host) == float(x.sum())
     assert per_host[0]["y_shape"] == [3, 2]                  # replicated: all of it
-    with pytest.raises(pw.ColocatedError, match="returns values"):
-        pw.colocated("loader_data:summarize")(a, b)
+
+
+def test_colocated_tensors_from_each_host_make_one_array(wide):
+    """Each host returns its region of each output; the regions are one Array, which
+    programs and moves take like any other, and equal what torch gives on the whole."""
+    x = torch.arange(48.0).reshape(8, 6)
+    a = pw.put(x, wide, P("data", "model"))
+    fn = pw.colocated("loader_data:scaled_rows", out_specs=[P("data"), P("data")])
+    per_host = fn(a, by=3.0)
+    assert [h["rows"] for h in per_host] == [4, 4]
+    scaled, first = per_host[0]["scaled"], per_host[0]["first"]
+    assert per_host[1]["scaled"] is scaled and scaled.slice is wide
+    assert scaled.shape == (8, 6) and scaled.sharding == P("data")
+    assert torch.equal(scaled.torch(), x * 3.0)
+    assert torch.equal(first.torch(), x[[0, 4]])           # each host's first row
+
+    @pw.program
+    def total(t):
+        return (t * 2).sum(0)
+
+    assert torch.allclose(total(scaled).torch(), (x * 6.0).sum(0), rtol=TOL)
+    small = pw.slice((2,), axis_names=("d",), island=1)
+    try:
+        assert torch.equal(scaled.to(small, P("d")).torch(), x * 3.0)
+    finally:
+        small.release()
+    # Replicated (the default): every host returns all of it, the same.
+    y = torch.randn(3, 2)
+    rep = pw.colocated("loader_data:scaled_rows")(pw.put(y, wide))
+    assert rep[0]["scaled"].sharding == P() and torch.equal(rep[0]["scaled"].torch(), y * 2)
+    assert torch.equal(rep[1]["first"].torch(), y[:1])
+
+
+def test_colocated_tensors_that_cannot_be_one_array_raise_and_leak_nothing(wide):
+    x = torch.arange(48.0).reshape(8, 6)
+    a = pw.put(x, wide, P("data"))
+    holes = pw.put(x, wide, P(("model", "data")))
+
+    def buffers():
+        wide._conn.barrier()                             # releases processed
+        return [m.stats().num_buffers for m in wide._conn.members]
+
+    before = buffers()
+    # Replicated (the default) but each host's rows differ: the copies would disagree.
+    with pytest.raises(pw.ColocatedError, match="same region of tensor 0.*different"):
+        pw.colocated("loader_data:scaled_rows")(a)
+    with pytest.raises(pw.ColocatedError, match="different numbers of tensors"):
+        pw.colocated("loader_data:tensors_on_host_0")(a)
+    # 4 rows per host cannot be split 4 ways within the host and 8 across: not a box.
+    with pytest.raises(pw.ColocatedError, match="not one box"):
+        pw.colocated("loader_data:scaled_rows", out_specs=[P(("model", "data"))])(a)
+    # The same for an input: a host would see its rows with holes between them.
+    with pytest.raises(pw.ColocatedError, match="input buffer .* not one box"):
+        pw.colocated("loader_data:row_stats")(holes)
+    assert buffers() == before                          # no host kept its region
+    assert torch.equal(a.torch(), x)                    # the slice stays usable
 
 
 @pytest.mark.parametrize("there,back", [(P("d"), P(None, "model")), (P(), P("data")),

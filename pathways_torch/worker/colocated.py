@@ -5,20 +5,23 @@ the buffers it takes. Here the buffers are read to the host as CPU tensors, the 
 runs on them, and what it returns goes back by kind: tensors become buffers of the slice
 under ids the client reserved, other values (numbers, strings, lists, dicts) travel as
 JSON. Only the tensors' metadata crosses the wire. On a slice that spans hosts each
-host runs the function on its own region of the inputs and returns values.
+host runs the function on its own region of the inputs, and each tensor it returns is
+its region of that output: the hosts' regions make one Array.
 """
 
 from __future__ import annotations
 
 import json
 import traceback
+import zlib
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
 from ..rpc import codec
-from ..sharding import spec_from_proto, P
+from ..errors import ShardingError
+from ..sharding import P, host_box, member_blocks, member_region, spec_from_proto
 from .loader import LoaderError, import_named
 from .store import Entry
 
@@ -74,10 +77,14 @@ def _split(ex, req, out):
 
 
 def run_colocated_member(m, req):
-    """Serve one Colocated call on member ``m`` of a slice that spans hosts: the
-    function gets this host's region of each input (the box its devices' shards
-    cover); it returns values (gathered by the client, one result per host)."""
-    from .member import _to_torch
+    """Serve one Colocated call on member ``m`` of a slice that spans hosts.
+
+    The function gets this host's region of each input (the box its devices' shards
+    cover) and returns, for each tensor, this host's region of that output under
+    ``out_specs[k]`` (all of it when replicated). Each host places its region on its own
+    devices as its part of one global Array; the reply says which region it was and its
+    CRC-32, so that the client can check hosts holding the same region agree."""
+    from .member import _Buf, _to_numpy, _to_torch, np_dtype
     pb = m.pb
     inputs = []
     for bid in req.inputs:
@@ -85,22 +92,63 @@ def run_colocated_member(m, req):
         if err is not None:
             return pb.ColocatedReply(has_error=True, error=err)
         blocks = m.rt.local_blocks(buf.array)
-        lo = [min(st[d] for st, _ in blocks) for d in range(len(blocks[0][0]))]
-        hi = [max(st[d] + v.shape[d] for st, v in blocks) for d in range(len(lo))]
-        region = np.empty([b - a for a, b in zip(lo, hi)], dtype=blocks[0][1].dtype)
+        try:
+            box = host_box([tuple((a, a + n) for a, n in zip(st, v.shape))
+                            for st, v in blocks], f"input buffer {bid}")
+        except ShardingError as e:
+            return pb.ColocatedReply(has_error=True, error=m._err("colocated", str(e),
+                                                                  req.fn))
+        region = np.empty([b - a for a, b in box], dtype=blocks[0][1].dtype)
         for st, v in blocks:
-            region[tuple(slice(a - o, a - o + n) for a, o, n in zip(st, lo, v.shape))] = v
+            region[tuple(slice(a - o, a - o + n)
+                         for a, (o, _), n in zip(st, box, v.shape))] = v
         inputs.append(_to_torch(torch, region))
     out, err = _call(m, req, inputs)
     if err is not None:
         return err
     tensors, reply = _split(m, req, out)
-    if tensors:
-        return pb.ColocatedReply(has_error=True, error=m._err(
-            "colocated", f"{req.fn} returned tensors on a slice that spans hosts; there "
-            "a colocated function returns values (numbers, strings, lists, dicts), one "
-            "result per host", req.fn))
+    if tensors is None:
+        return reply
+    if len(tensors) > len(req.out_ids):
+        return _too_many(m, req, len(tensors))
+    for k, t in enumerate(tensors):
+        spec = spec_from_proto(req.out_specs[k]) if k < len(req.out_specs) else P()
+        try:
+            dtype = codec.dtype_name(t.dtype)
+            shape, start = member_region(tuple(t.shape), spec, m.axis_names, m.mesh_shape,
+                                         m.member, m.members, f"output {k} of {req.fn}")
+            blocks, _ = member_blocks(shape, spec, m.axis_names, m.mesh_shape,
+                                      m.member, m.members)
+            value = _to_numpy(t, np_dtype(dtype))
+            array = m._global(shape, spec, [
+                value[tuple(slice(a - o, b - o) for (a, b), o in zip(blk, start))]
+                for blk in blocks])
+        except Exception as e:
+            _drop(m, req.out_ids[:k])
+            return pb.ColocatedReply(has_error=True, error=m._err(
+                "colocated", f"output {k} of {req.fn} ({t.dtype}{list(t.shape)} on "
+                f"{m.where}) cannot be placed as this host's part of an Array under "
+                f"{spec!r}: {e}", req.fn))
+        with m.cond:
+            m.store[req.out_ids[k]] = _Buf(array, None, value.nbytes)
+            m.cond.notify_all()
+        reply.tensors.add(dtype=dtype, shape=list(shape))
+        reply.regions.add(start=list(start), shape=list(t.shape))
+        flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        reply.crcs.append(zlib.crc32(flat))
     return reply
+
+
+def _drop(m, ids) -> None:
+    with m.cond:
+        for b in ids:
+            m.store.pop(b, None)
+
+
+def _too_many(ex, req, n: int):
+    return ex.pb.ColocatedReply(has_error=True, error=ex._err(
+        "colocated", f"{req.fn} returned {n} tensors; a colocated call takes at most "
+        f"{len(req.out_ids)} (max_outputs=)", req.fn))
 
 
 def run_colocated(ex, req):
@@ -125,9 +173,7 @@ def run_colocated(ex, req):
     if tensors is None:
         return reply
     if len(tensors) > len(req.out_ids):
-        return pb.ColocatedReply(has_error=True, error=ex._err(
-            "colocated", f"{req.fn} returned {len(tensors)} tensors; a colocated call "
-            f"takes at most {len(req.out_ids)} (max_outputs=)", req.fn))
+        return _too_many(ex, req, len(tensors))
     for k, t in enumerate(tensors):
         try:
             codec.dtype_name(t.dtype)
