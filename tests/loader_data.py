@@ -71,3 +71,34 @@ def scaled_rows(x, by=2.0):
 def tensors_on_host_0(x):
     """A tensor from the host whose rows start at 0 only: hosts disagree."""
     return [x * 1] if float(x[0, 0]) == 0.0 else []
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """``Rows(n)`` as a stream: its samples in order, split over torch's DataLoader
+    workers as torch's docs show (worker k takes every num_workers-th sample);
+    ``bad``: the position where the stream raises."""
+
+    def __init__(self, n=20, bad=-1, **kw):
+        self.rows, self.bad = Rows(n=n, **kw), bad
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for i in range(len(self.rows)):
+            if info is not None and i % info.num_workers != info.id:
+                continue
+            if i == self.bad:
+                raise IOError(f"record {i} of the stream is unreadable")
+            yield self.rows[i]
+
+
+class SizedStream(Stream):
+    def __len__(self):
+        return len(self.rows)
+
+
+def stream(**kw):
+    return Stream(**kw)
+
+
+def sized_stream(**kw):
+    return SizedStream(**kw)

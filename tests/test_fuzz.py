@@ -419,7 +419,8 @@ COORD_METHODS = [("RegisterWorker", "bidi"), ("OpenSession", "bidi"),
 WORKER_METHODS = ["StartExecutor", "StopExecutor", "ExecutorReady", "Profile"]
 EXECUTOR_METHODS = [("Compile", "unary"), ("Fetch", "stream"), ("Wait", "unary"),
                     ("Stats", "unary"), ("Profile", "unary"),
-                    ("OpenLoader", "unary", "LoaderSpec"), ("Colocated", "unary")]
+                    ("OpenLoader", "unary", "LoaderSpec"), ("Colocated", "unary"),
+                    ("PeekLoader", "unary", "LoaderPeek")]
 
 
 def undecodable(draw, cls) -> bytes:
@@ -880,6 +881,11 @@ def test_executor_refuses_malformed_calls(env):
             rep = a.Colocated(pb.ColocatedRequest(fn="os:getcwd", inputs=[ids[0]],
                                                   timeout_s=5), timeout=30)
             assert rep.has_error and rep.error.kind == "unknown_buffer"
+            # so does a peek at a loader that is not open
+            SENT["executor PeekLoader (unknown loader)"] += 1
+            rep = a.PeekLoader(pb.LoaderPeek(loader_id=data.draw(u64), timeout_s=5),
+                               timeout=30)
+            assert rep.has_error and rep.error.kind == "data" and not rep.exists
         for method, kind, *name in EXECUTOR_METHODS:
             cls = getattr(pb, name[0] if name else f"{method}Request")
             blob = undecodable(data.draw, cls)

@@ -266,6 +266,108 @@ def test_dataset_errors_are_typed_and_the_cluster_stays_usable(islands):
     assert torch.equal(pw.put(torch.ones(3), s).torch(), torch.ones(3))
 
 
+# ---------------------------------------------------------------- streams
+def stream_reference(n, batch_size, num_workers=0, drop_last=False):
+    """torch's own DataLoader over the same IterableDataset."""
+    return list(torch.utils.data.DataLoader(loader_data.Stream(n=n), batch_size=batch_size,
+                                            num_workers=num_workers, drop_last=drop_last))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stream_gives_torchs_batches_and_ends_each_epoch_where_it_ends(islands,
+                                                                         num_workers):
+    """An IterableDataset: exactly torch's DataLoader batches (with 2 workers, torch
+    interleaves the workers' batches), an epoch that ends with the stream, no len()."""
+    s = islands[0]
+    loader = pw.DataLoader("loader_data:stream", dataset_kwargs={"n": 20}, batch_size=8,
+                           slice=s, spec=P("data"), num_workers=num_workers)
+    assert loader.is_stream and loader.dataset_length is None
+    with pytest.raises(TypeError, match="no length"):
+        len(loader)
+    ref = stream_reference(20, 8, num_workers)
+    assert [len(x) for x, _ in ref] == ([8, 8, 4] if num_workers == 0 else [8, 8, 2, 2])
+    for epoch in range(2):
+        got = list(loader)
+        assert len(got) == len(ref) and loader.epoch == epoch + 1
+        for (x, y), (rx, ry) in zip(got, ref):
+            assert x.sharding == P("data") and x.shape == rx.shape
+            assert torch.equal(x.torch(), rx) and torch.equal(y.torch(), ry)
+
+
+def test_a_stream_over_islands_drop_last_and_sizes(islands):
+    """Each island's host reads the stream and keeps its half of each batch; a sized
+    stream has a len(); drop_last drops the short batch; a short batch that does not
+    cut over the devices is refused when it comes, with what to do."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    trainer = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         torch.nn.functional.mse_loss,
+                         parallelism=pw.MultiIsland(islands, "data"))
+    loader = pw.DataLoader("loader_data:sized_stream", dataset_kwargs={"n": 36},
+                           batch_size=8, slice=trainer, drop_last=True)
+    assert len(loader) == 4 and loader.dataset_length == 36
+    got = list(loader)
+    ref = stream_reference(36, 8, drop_last=True)
+    assert len(got) == 4
+    for (x, y), (rx, ry) in zip(got, ref):
+        assert torch.equal(torch.cat([p.torch() for p in x.parts]), rx)
+        assert torch.equal(torch.cat([p.torch() for p in y.parts]), ry)
+    short = pw.DataLoader("loader_data:stream", dataset_kwargs={"n": 17}, batch_size=8,
+                          slice=islands[0], spec=P("data"))
+    it = iter(short)
+    next(it), next(it)
+    with pytest.raises(pw.ShardingError, match="last batch of 1 .*drop_last=True"):
+        next(it)                                    # 1 row over 2 "data" devices
+
+
+def test_a_stream_refuses_shuffle_and_its_errors_are_typed(islands):
+    s = islands[0]
+    with pytest.raises(pw.DataLoaderError, match="IterableDataset.*shuffle"):
+        pw.DataLoader("loader_data:stream", batch_size=4, slice=s, shuffle=True)
+    loader = pw.DataLoader("loader_data:stream", dataset_kwargs={"n": 16, "bad": 9},
+                           batch_size=4, slice=s, spec=P("data"))
+    batches = list(loader)      # 0-3, 4-7, then the batch where the stream raised
+    assert len(batches) == 3
+    assert torch.equal(batches[1][0].torch(), loader_data.Rows(n=16).x[4:8])
+    with pytest.raises(pw.DataLoaderError, match="record 9 of the stream is unreadable"):
+        batches[2][0].torch()
+    assert len(list(loader)) == 3                   # the next epoch reads it again
+
+
+def test_fit_over_a_stream_matches_torch_and_resumes_with_the_same_batches(islands,
+                                                                         tmp_path):
+    """fit(loader) over a stream gives plain torch's losses: to the stream's end, or on
+    into the next epochs with steps=; resume=True in a fresh process (a new trainer
+    and loader) goes on from the checkpoint with the same batches (tolerance 1e-5)."""
+    def trainer_and_loader(model):
+        tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                        torch.nn.functional.mse_loss, slice=islands[0],
+                        parallelism=pw.DataParallel("data"))
+        return tr, pw.DataLoader("loader_data:stream", dataset_kwargs={"n": 48},
+                                 batch_size=8, slice=tr)
+
+    def close(got, want):
+        assert len(got) == len(want) and max(
+            abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
+
+    model, ref = make(), make()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    want = torch_losses(ref, ref_opt, stream_reference(48, 8))          # 6 steps
+    trainer, loader = trainer_and_loader(model)
+    close(trainer.fit(loader, steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2,
+                      progress=False), want[:4])
+    again, again_loader = trainer_and_loader(make(seed=3))
+    resumed = again.fit(again_loader, checkpoint_dir=str(tmp_path), resume=True,
+                        progress=False)
+    assert resumed.resumed_from == 4
+    close(resumed, want[4:])                        # the rest of the epoch: 2 steps
+    close(trainer.fit(loader, progress=False), want[4:])
+    # steps= goes on into the next epochs: epoch 1's 6 batches, then 2 of epoch 2
+    more = torch_losses(ref, ref_opt, stream_reference(48, 8) + stream_reference(48, 8)[:2])
+    close(trainer.fit(loader, steps=8, progress=False), more)
+
+
 # ---------------------------------------------------------------- pw.colocated
 def test_colocated_runs_on_the_host_and_returns_arrays_and_values(islands):
     s = islands[1]

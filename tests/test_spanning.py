@@ -186,6 +186,19 @@ def test_each_host_loads_its_own_rows_of_host_batches(wide, axis):
         assert x.slice is wide and torch.equal(x.torch(), rx) and torch.equal(y.torch(), ry)
 
 
+@pytest.mark.parametrize("axis", ["data", None])
+def test_a_stream_over_two_hosts_gives_torchs_batches(wide, axis):
+    """An IterableDataset over a slice that spans hosts: each host reads the stream and
+    keeps its own devices' rows; the Arrays are torch's batches, the short last one
+    included."""
+    import loader_data
+    loader = pw.DataLoader("loader_data:stream", dataset_kwargs={"n": 20}, batch_size=8,
+                           slice=wide, spec=P(axis) if axis else None)
+    ref = list(torch.utils.data.DataLoader(loader_data.Stream(n=20), batch_size=8))
+    for (x, y), (rx, ry) in zip(loader, ref, strict=True):
+        assert torch.equal(x.torch(), rx) and torch.equal(y.torch(), ry)
+
+
 def test_training_on_host_batches_over_two_hosts_matches_torch(cluster, wide):
     other = pw.slice((2, 2), axis_names=("data", "model"), island=1)
     try:

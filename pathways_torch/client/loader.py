@@ -21,6 +21,12 @@ The order of epoch ``e`` is ``torch.randperm(len(dataset), generator=torch.Gener
 wherever it is computed, so the batches do not depend on how many hosts load them, and
 batch ``i`` is positions ``i * batch_size`` to ``(i + 1) * batch_size`` of that order:
 what torch's DataLoader gives with that order as its sampler.
+
+A factory may also return a ``torch.utils.data.IterableDataset`` (a stream: files read
+in order, a generator). There is no order to choose: each loading host runs torch's own
+DataLoader over the whole stream and keeps its rows of each batch, so the batches are
+exactly torch's, and the stream is read once per host. An epoch ends where the stream
+does: before naming a batch the client asks one host whether it exists.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, member_blocks
 from . import runtime
 from .array import Array
+from .connection import raise_buffer_error
 
 
 class Parts:
@@ -74,7 +81,9 @@ class DataLoader:
 
     ``dataset``: ``"package.module:factory"``, importable on the workers, called there
     with ``dataset_kwargs`` (JSON values) to make a map-style dataset
-    (``__getitem__``/``__len__``). ``collate_fn``: ``"package.module:fn"`` or None for
+    (``__getitem__``/``__len__``) or a ``torch.utils.data.IterableDataset`` (then
+    ``shuffle`` is refused, as torch refuses it, and ``len()`` is the dataset's if it
+    has one; an epoch ends where its stream does). ``collate_fn``: ``"package.module:fn"`` or None for
     torch's ``default_collate``; every leaf of a batch must be a tensor with the
     samples along dimension 0, the same dtypes and per-sample shapes in every batch.
     ``num_workers``: torch DataLoader worker processes on each host; ``prefetch``:
@@ -123,6 +132,7 @@ class DataLoader:
         self._targets: List[_Target] = []
         self._bound: tuple = ()         # the slices the targets were opened on
         self._length: Optional[int] = None
+        self._iterable = False
         self._tree = None
         self._items: List[int] = []
         self._samples: List[tuple] = []
@@ -193,7 +203,7 @@ class DataLoader:
                     raise conn._rpc_error(e, f"opening pw.DataLoader({sp.dataset!r})") \
                         from None
         info = targets[0].info
-        self._length = info.length
+        self._length, self._iterable = info.length, info.iterable
         self._tree = pytree.treespec_loads(info.treespec)
         self._items = list(info.leaf_items)
         self._samples = [(codec.dtype_from_name(m.dtype), tuple(m.shape))
@@ -208,60 +218,111 @@ class DataLoader:
         self._check_sizes()
 
     def _check_sizes(self) -> None:
-        """Every batch (the last one too) must cut into equal blocks per device."""
+        """Every batch (the last one too) must cut into equal blocks per device; a
+        stream's last batch is checked when it comes."""
         sp = self._spec
-        sizes = {sp.batch_size}
-        tail = self._length % sp.batch_size
-        if tail and not sp.drop_last:
-            sizes.add(tail)
+        self._check_rows(sp.batch_size, last=False)
+        if not self._iterable and not sp.drop_last and self._length % sp.batch_size:
+            self._check_rows(self._length % sp.batch_size, last=True)
+
+    def _check_rows(self, rows: int, last: bool) -> None:
         for t in self._targets:
             ways = t.parts * (t.slice.axis_size(t.axis) if t.axis else 1)
-            for b in sizes:
-                if b % ways:
-                    what = "the last batch" if b == tail and b != sp.batch_size else \
-                        "a batch"
-                    raise ShardingError(
-                        f"pw.DataLoader: {what} of {b} samples does not cut into {ways} "
-                        f"equal blocks ({t.parts} part(s) x the devices of axis "
-                        f"{t.axis!r} on {t.slice!r}); use a batch_size divisible by "
-                        f"{ways}" + (", or drop_last=True" if b == tail else ""))
+            if rows % ways:
+                what = "the last batch" if last else "a batch"
+                raise ShardingError(
+                    f"pw.DataLoader: {what} of {rows} samples does not cut into {ways} "
+                    f"equal blocks ({t.parts} part(s) x the devices of axis "
+                    f"{t.axis!r} on {t.slice!r}); use a batch_size divisible by "
+                    f"{ways}" + (", or drop_last=True" if last else ""))
 
     # ------------------------------------------------------------------ batches
     def __len__(self) -> int:
         sp = self._spec
         n = self._length
+        if n < 0:
+            raise TypeError(f"pw.DataLoader({sp.dataset!r}) streams an IterableDataset "
+                            "without __len__, so it has no length: iterate it to the "
+                            "stream's end (fit(loader) does), or give the dataset __len__")
         return n // sp.batch_size if sp.drop_last else -(-n // sp.batch_size)
 
     @property
-    def dataset_length(self) -> int:
-        """Samples in the dataset (as the hosts built it)."""
-        return self._length
+    def dataset_length(self) -> Optional[int]:
+        """Samples in the dataset (as the hosts built it); None for a stream that has
+        no ``len()``."""
+        return self._length if self._length >= 0 else None
+
+    @property
+    def is_stream(self) -> bool:
+        """Whether the dataset is an ``IterableDataset`` (epochs end where it ends)."""
+        return self._iterable
 
     def __iter__(self):
-        while self.index < len(self):
+        while True:
             epoch, index = self.epoch, self.index
+            rows = self._rows(epoch, index)
+            if rows is None:
+                break
             self.index += 1
-            yield self._batch(epoch, index)
+            yield self._batch(epoch, index, rows)
         self.epoch, self.index = self.epoch + 1, 0
 
     def at(self, position: int) -> Any:
         """The batch at ``position`` counted over epochs (``epoch * len + index``);
-        the loader then stands after it. What ``fit`` uses to replay steps."""
+        the loader then stands after it. What ``fit`` uses to replay steps (a stream,
+        whose epochs have no known length, is replayed by ``take``)."""
         epoch, index = divmod(int(position), len(self))
         self.epoch, self.index = (epoch, index + 1) if index + 1 < len(self) \
             else (epoch + 1, 0)
-        return self._batch(epoch, index)
+        return self._batch(epoch, index, self._rows(epoch, index))
+
+    def take(self, epoch: int, index: int) -> Optional[Any]:
+        """Batch ``index`` of ``epoch``, or None past the epoch's end; the loader then
+        stands after it."""
+        rows = self._rows(epoch, index)
+        return None if rows is None else self._take(epoch, index, rows)
+
+    def _take(self, epoch: int, index: int, rows: int) -> Any:
+        self.epoch, self.index = epoch, index + 1
+        return self._batch(epoch, index, rows)
 
     @property
     def position(self) -> int:
         """The next batch, counted over epochs (``epoch * len(self) + index``)."""
         return self.epoch * len(self) + self.index
 
-    def _batch(self, epoch: int, index: int) -> Any:
+    def _rows(self, epoch: int, index: int) -> Optional[int]:
+        """The rows of batch ``index`` of ``epoch``; None if the epoch ends before it."""
+        sp = self._spec
+        if not self._iterable:
+            if index >= len(self):
+                return None
+            return min(sp.batch_size, self._length - index * sp.batch_size)
+        self._ensure_open()
+        conn = self._targets[0].slice._conn.parts()[0]
+        what = f"batch {index} of epoch {epoch} of pw.DataLoader({sp.dataset!r})"
+        try:
+            rep = conn.stub.PeekLoader(pb.LoaderPeek(
+                loader_id=sp.loader_id, epoch=epoch, index=index, timeout_s=conn.timeout),
+                timeout=conn.timeout + 5)
+        except grpc.RpcError as e:
+            raise conn._rpc_error(e, what) from None
+        if rep.has_error:
+            raise_buffer_error(rep.error, what)
+        if not rep.exists:
+            return None
+        rows = rep.rows or sp.batch_size    # a batch that failed: its Arrays say why
+        if rows != sp.batch_size:
+            self._check_rows(rows, last=True)
+        return rows
+
+    def _ensure_open(self) -> None:
         if self._current_slices() != self._bound:
             self._open()
+
+    def _batch(self, epoch: int, index: int, size: int) -> Any:
+        self._ensure_open()
         sp = self._spec
-        size = min(sp.batch_size, self._length - index * sp.batch_size)
         origin = f"batch {index} of epoch {epoch} of pw.DataLoader({sp.dataset!r})"
         n = len(self._samples)
         # per leaf, per part of the whole batch: its Array (None where no target has it)

@@ -644,6 +644,11 @@ class ExecutorStub(object):
                 request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderSpec.SerializeToString,
                 response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderInfo.FromString,
                 _registered_method=True)
+        self.PeekLoader = channel.unary_unary(
+                '/pathways.Executor/PeekLoader',
+                request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderPeek.SerializeToString,
+                response_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderPeekReply.FromString,
+                _registered_method=True)
         self.Colocated = channel.unary_unary(
                 '/pathways.Executor/Colocated',
                 request_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.ColocatedRequest.SerializeToString,
@@ -696,6 +701,12 @@ class ExecutorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PeekLoader(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Colocated(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -742,6 +753,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.OpenLoader,
                     request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderSpec.FromString,
                     response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderInfo.SerializeToString,
+            ),
+            'PeekLoader': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeekLoader,
+                    request_deserializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderPeek.FromString,
+                    response_serializer=pathways__torch_dot_rpc_dot_pathways__pb2.LoaderPeekReply.SerializeToString,
             ),
             'Colocated': grpc.unary_unary_rpc_method_handler(
                     servicer.Colocated,
@@ -916,6 +932,33 @@ class Executor(object):
             '/pathways.Executor/OpenLoader',
             pathways__torch_dot_rpc_dot_pathways__pb2.LoaderSpec.SerializeToString,
             pathways__torch_dot_rpc_dot_pathways__pb2.LoaderInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeekLoader(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.Executor/PeekLoader',
+            pathways__torch_dot_rpc_dot_pathways__pb2.LoaderPeek.SerializeToString,
+            pathways__torch_dot_rpc_dot_pathways__pb2.LoaderPeekReply.FromString,
             options,
             channel_credentials,
             insecure,

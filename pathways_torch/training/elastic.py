@@ -381,7 +381,13 @@ class _Batches:
         from ..client.loader import DataLoader
         self.steps, self._replay = steps, replay
         self._data, self._it, self._kept = data, None, {}
-        if isinstance(data, DataLoader):
+        if isinstance(data, DataLoader) and data.is_stream:
+            # a stream's epochs have no known length: batch i is the i-th position
+            # from where the loader stood, found by asking as the fit goes (the rest
+            # of the epoch, or on into the next ones when steps= says so)
+            self._kind, self._pos = "stream", []
+            self._start = (data.epoch, data.index)
+        elif isinstance(data, DataLoader):
             # batch i is the loader's batch at its position when fit began, plus i:
             # a replay (or resume=True) names the same batch again, which the hosts
             # load again (on the new slices after a restart)
@@ -404,6 +410,27 @@ class _Batches:
                                 f"iterable of batches, not "
                                 f"{type(data).__name__}")
 
+    def _stream(self, i: int):
+        """Batch ``i`` of a fit over a stream's loader. Positions are found by asking
+        the hosts whether a batch exists (without loading the ones a resume skips); a
+        replay takes the same (epoch, index) again, which the hosts load again."""
+        return self._data._take(*self._pos[i]) if self._find(i) else None
+
+    def _find(self, i: int) -> bool:
+        """Find the positions of the stream's steps up to ``i``; False if it ends first."""
+        d = self._data
+        while len(self._pos) <= i:
+            e, j = (self._pos[-1][0], self._pos[-1][1] + 1) if self._pos else self._start
+            rows = d._rows(e, j)
+            if rows is None and self.steps is not None and j > 0:
+                e, j = e + 1, 0             # steps= goes on into the next epoch
+                rows = d._rows(e, j)
+            if rows is None:                # the epoch (or the stream) ended
+                self.steps = len(self._pos)
+                return False
+            self._pos.append((e, j, rows))
+        return True
+
     def get(self, i: int):
         """Batch ``i``, or None after the last."""
         if self.steps is not None and i >= self.steps:
@@ -414,6 +441,8 @@ class _Batches:
             return self._data[i]
         if self._kind == "loader":
             return self._data.at(self._start + i)
+        if self._kind == "stream":
+            return self._stream(i)
         if not self._replay and i == self._next:   # no checkpoints: nothing to keep
             self._next += 1
             try:
@@ -435,7 +464,12 @@ class _Batches:
 
     def skip(self, n: int) -> None:
         """Go on at batch ``n`` (``resume=True``): a callable or a sequence is indexed
-        from there; a plain iterable's first ``n`` batches are drawn and dropped."""
+        from there; a plain iterable's first ``n`` batches are drawn and dropped, and
+        so are a stream loader's (named, so that its hosts load in order)."""
+        if self._kind == "stream":
+            for k in range(n):
+                if self._stream(k) is None:
+                    return
         if self._kind != "iter":
             return
         while self._next < n:

@@ -416,6 +416,12 @@ class ExecutorService(OpLoop, Programs, Transfers, BackPressure, CheckpointIO,
         from .loader import open_loader
         return open_loader(self, request, context, self._loader_put)
 
+    def PeekLoader(self, request, context):
+        """Whether a stream's batch exists, once this host's loader got to it."""
+        self._authorize(context)
+        from .loader import peek_loader
+        return peek_loader(self, request)
+
     def _loader_put(self, blocks: dict, axis: str, rows: int):
         """A loaded part of a batch (one slice of one host: one block) on the devices."""
         (cpu,) = blocks.values()

@@ -7,6 +7,11 @@ not depend on how many hosts load them. A slice loads its row blocks (``mine`` o
 ``parts``) of each global batch through a ``torch.utils.data.DataLoader`` over exactly
 those indices, and a thread turns each into device buffers ahead of the ``BatchOp``
 that takes it (what torch_xla's ``MpDeviceLoader`` does for a multi-controller script).
+
+An ``IterableDataset`` has no indices: every host runs torch's own ``DataLoader`` over
+the whole stream (so the batches are torch's, whatever ``num_workers`` does to the
+stream) and keeps its rows of each batch; an epoch ends where the stream does, which
+the client learns by asking (``peek``) before it names a batch.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import logging
 import os
 import queue
 import threading
+import time
 import traceback
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -82,6 +88,9 @@ def num_batches(length: int, batch_size: int, drop_last: bool) -> int:
     return length // batch_size if drop_last else -(-length // batch_size)
 
 
+END = -1        # peek's answer where a stream ended before the batch asked for
+
+
 def part_rows(size: int, parts: int, k: int) -> Tuple[int, int]:
     """Rows of part ``k`` when a batch of ``size`` is cut into ``parts`` equal blocks."""
     step = size // parts
@@ -89,12 +98,15 @@ def part_rows(size: int, parts: int, k: int) -> Tuple[int, int]:
 
 
 class _Batch:
-    """One host batch: (epoch, index), and per part its leaves on the device, or an error."""
+    """One host batch: (epoch, index), and per part its leaves on the device, or an
+    error; ``rows``: the whole batch's rows; ``end``: the stream ended before it."""
 
-    __slots__ = ("epoch", "index", "tensors", "error")
+    __slots__ = ("epoch", "index", "tensors", "error", "rows", "end")
 
-    def __init__(self, epoch: int, index: int, tensors=None, error: str = "") -> None:
+    def __init__(self, epoch: int, index: int, tensors=None, error: str = "",
+                 rows: int = 0, end: bool = False) -> None:
         self.epoch, self.index, self.tensors, self.error = epoch, index, tensors, error
+        self.rows, self.end = rows, end
 
 
 class HostLoader:
@@ -115,12 +127,26 @@ class HostLoader:
                               f"{type(e).__name__}: {e}") from None
         self.collate = import_named(spec.collate, "the collate function") \
             if spec.collate else torch.utils.data.default_collate
+        self.iterable = isinstance(self.dataset, torch.utils.data.IterableDataset)
+        if self.iterable and spec.shuffle:
+            raise LoaderError(f"the dataset of {spec.dataset!r} is an IterableDataset, "
+                              "which has no indices to shuffle (torch's DataLoader refuses "
+                              "shuffle=True for one too): shuffle inside the stream (a "
+                              "shuffle buffer), or make a map-style dataset")
         try:
             self.length = len(self.dataset)
         except TypeError:
-            raise LoaderError(f"the dataset of {spec.dataset!r} has no len(): "
-                              "pw.DataLoader needs a map-style dataset "
-                              "(__getitem__ and __len__)") from None
+            if not self.iterable:
+                raise LoaderError(f"the dataset of {spec.dataset!r} has no len(): "
+                                  "pw.DataLoader needs a map-style dataset (__getitem__ "
+                                  "and __len__) or a torch IterableDataset") from None
+            self.length = -1
+        # A stream's positions the prefetcher has made and not yet handed over:
+        # (epoch, index) -> the batch's rows, or END: what peek answers from.
+        self._made: Dict[Tuple[int, int], int] = {}
+        self._made_cond = threading.Condition()
+        self._from: Tuple[int, int] = (0, 0)       # where the prefetcher started
+        self._last: Optional[Tuple[int, int]] = None   # the last position it made
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._ready: "queue.Queue" = queue.Queue(maxsize=max(1, spec.prefetch))
@@ -132,10 +158,13 @@ class HostLoader:
     def describe(self):
         """The batch's structure: (treespec JSON, per leaf (dtype, sample shape), per
         leaf the top-level item), from the first two samples, collated."""
-        n = min(2, self.length)
-        if n == 0:
-            raise LoaderError(f"the dataset of {self.spec.dataset!r} is empty")
-        batch = self._collate([0, 1][:n], epoch=0, index=0)
+        if self.iterable:
+            batch = collate_checked(self.collate, self._first_samples(2), self.where, 0, 0)
+        else:
+            n = min(2, self.length)
+            if n == 0:
+                raise LoaderError(f"the dataset of {self.spec.dataset!r} is empty")
+            batch = self._collate([0, 1][:n], epoch=0, index=0)
         leaves, tree = pytree.tree_flatten(batch)
         items = _leaf_items(batch)
         self.samples = [(codec.dtype_name(leaf.dtype), tuple(leaf.shape[1:]))
@@ -146,32 +175,108 @@ class HostLoader:
         return _Rows(self.dataset, self.collate, self.spec.dataset, self.where,
                      [(epoch, index, indices)]).load(0)
 
+    def _first_samples(self, n: int) -> list:
+        out: list = []
+        try:
+            it = iter(self.dataset)
+            while len(out) < n:
+                out.append(next(it))
+        except StopIteration:
+            pass
+        except Exception as e:
+            raise LoaderError(f"the dataset {self.spec.dataset!r} raised on {self.where} "
+                              f"for its first samples: {type(e).__name__}: {e}") from None
+        if not out:
+            raise LoaderError(f"the dataset of {self.spec.dataset!r} is empty")
+        return out
+
     # ------------------------------------------------------------------ batches
     def take(self, epoch: int, index: int, timeout: float) -> _Batch:
         """Batch ``index`` of ``epoch``: the next one the prefetcher made, or, after
         a jump (a load_state_dict, a replay), the first it makes from there."""
         with self._lock:
-            if self._thread is None or self._expect != (epoch, index):
+            if not self._continues(epoch, index):
                 self._restart(epoch, index)
-            n = num_batches(self.length, self.spec.batch_size, self.spec.drop_last)
-            self._expect = (epoch, index + 1) if index + 1 < n else (epoch + 1, 0)
+            if self.iterable:
+                self._expect = (epoch, index + 1)
+            else:
+                n = num_batches(self.length, self.spec.batch_size, self.spec.drop_last)
+                self._expect = (epoch, index + 1) if index + 1 < n else (epoch + 1, 0)
             ready = self._ready
-        try:
-            b = ready.get(timeout=timeout)
-        except queue.Empty:
+        b = self._next(ready, epoch, timeout)
+        if b is None:
             return _Batch(epoch, index, error=f"batch {index} of epoch {epoch} was not "
                           f"ready on {self.where} within {timeout:.0f} s")
-        if (b.epoch, b.index) != (epoch, index):       # cannot happen: same order
+        with self._made_cond:
+            self._made.pop((b.epoch, b.index), None)
+        if b.end and (b.epoch, b.index) == (epoch, index):
+            return _Batch(epoch, index, error=f"the stream of {self.spec.dataset!r} on "
+                          f"{self.where} ended before batch {index} of epoch {epoch}, which "
+                          "another host's stream has: every host must iterate the same "
+                          "samples in the same order")
+        if (b.epoch, b.index) != (epoch, index):       # the hosts' streams differ
             return _Batch(epoch, index, error=f"the loader on {self.where} made batch "
                           f"{b.index} of epoch {b.epoch}, not {index} of {epoch}")
         return b
 
+    def peek(self, epoch: int, index: int, timeout: float) -> Optional[int]:
+        """A stream's batch ``index`` of ``epoch``: its rows once the prefetcher made
+        it, END if the stream ended before it, None if neither within ``timeout``.
+
+        Takes nothing off the queue: the ``BatchOp`` that follows takes the batch, in
+        the op loop's order. The prefetcher runs ahead of those by ``prefetch``
+        batches, so a client that peeks further ahead without naming the batches
+        between waits (``fit``'s resume names the batches it skips)."""
+        pos = (epoch, index)
+        with self._lock:
+            with self._made_cond:
+                passed = pos not in self._made and self._last is not None \
+                    and self._last >= pos
+            if self._thread is None or pos < self._from or passed:
+                self._restart(epoch, index)
+                self._expect = pos
+        with self._made_cond:
+            if not self._made_cond.wait_for(lambda: pos in self._made, timeout):
+                return None
+            return self._made[pos]
+
+    def _record(self, stop: threading.Event, epoch: int, index: int, rows: int) -> None:
+        with self._made_cond:
+            if not stop.is_set():
+                self._made[(epoch, index)] = rows
+                self._last = (epoch, index)
+                self._made_cond.notify_all()
+
+    def _continues(self, epoch: int, index: int) -> bool:
+        """Whether the prefetcher's next batch is the one asked for. A stream's next
+        epoch follows the last batch taken: the end between them is skipped."""
+        if self._thread is None:
+            return False
+        return self._expect == (epoch, index) or (
+            self.iterable and index == 0 and self._expect[0] == epoch - 1)
+
+    @staticmethod
+    def _next(ready: "queue.Queue", epoch: int, timeout: float) -> Optional[_Batch]:
+        """The prefetcher's next batch, past the ends of earlier epochs."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                b = ready.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if not (b.end and b.epoch < epoch):
+                return b
+
     def _restart(self, epoch: int, index: int) -> None:
         self._halt()
+        with self._made_cond:
+            self._made.clear()
+            self._from, self._last = (epoch, index), None
         self._stop = threading.Event()
         self._ready = queue.Queue(maxsize=max(1, self.spec.prefetch))
-        self._thread = threading.Thread(target=self._run, args=(epoch, index, self._stop,
-                                                                self._ready),
+        run = self._run_stream if self.iterable else self._run
+        self._thread = threading.Thread(target=run, args=(epoch, index, self._stop,
+                                                          self._ready),
                                         name=f"pw-loader-{self.spec.loader_id}", daemon=True)
         self._thread.start()
 
@@ -194,20 +299,25 @@ class HostLoader:
         sp = self.spec
         return (sp.sub, list(sp.sub_mine)) if sp.sub > 1 else (1, [0])
 
-    def _indices(self, epoch: int, index: int, perm: torch.Tensor) -> List[int]:
-        """This host's indices of batch ``index``: of each of its parts, its
+    def _positions(self, rows: int) -> List[int]:
+        """This host's rows of a batch of ``rows``: of each of its parts, its
         sub-blocks' rows, in order."""
         sp = self.spec
         sub, subs = self._subs()
-        start, stop = batch_rows(self.length, sp.batch_size, sp.drop_last, index)
-        order = perm[start:stop].tolist()
         out: List[int] = []
         for k in sp.mine:
-            a, b = part_rows(len(order), sp.parts, k)
+            a, b = part_rows(rows, sp.parts, k)
             for s in subs:
                 c, d = part_rows(b - a, sub, s)
-                out.extend(order[a + c:a + d])
+                out.extend(range(a + c, a + d))
         return out
+
+    def _indices(self, epoch: int, index: int, perm: torch.Tensor) -> List[int]:
+        """This host's sample indices of batch ``index``."""
+        sp = self.spec
+        start, stop = batch_rows(self.length, sp.batch_size, sp.drop_last, index)
+        order = perm[start:stop].tolist()
+        return [order[p] for p in self._positions(len(order))]
 
     def _run(self, epoch: int, index: int, stop: threading.Event, ready: "queue.Queue"):
         sp = self.spec
@@ -224,6 +334,60 @@ class HostLoader:
                 log.error("loader %d: %s", sp.loader_id, traceback.format_exc())
                 return
             epoch, index = epoch + 1, 0
+
+    def _run_stream(self, epoch: int, index: int, stop: threading.Event,
+                    ready: "queue.Queue") -> None:
+        """An IterableDataset's epochs from batch ``index`` of ``epoch``: torch's
+        DataLoader over the whole stream, this host's rows of each batch, and an end
+        marker where the stream ends (or after a batch whose loading raised: the
+        stream cannot go on from there)."""
+        sp = self.spec
+        while not stop.is_set():
+            i = 0
+            try:
+                it = iter(torch.utils.data.DataLoader(
+                    self.dataset, batch_size=sp.batch_size, drop_last=sp.drop_last,
+                    num_workers=sp.num_workers, collate_fn=self.collate,
+                    prefetch_factor=2 if sp.num_workers else None))
+                while not stop.is_set():
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        break
+                    if i >= index:
+                        b = self._place_stream(epoch, i, batch)
+                        self._record(stop, epoch, i, b.rows)
+                        if not _offer(ready, stop, b):
+                            return
+                    i += 1
+            except Exception as e:
+                i = max(i, index)
+                err = f"the stream of {sp.dataset!r} raised on {self.where} in batch " \
+                      f"{i} of epoch {epoch}: {type(e).__name__}: {e}"
+                self._record(stop, epoch, i, 0)
+                if not _offer(ready, stop, _Batch(epoch, i, error=err)):
+                    return
+                i += 1
+            i = max(i, index)
+            self._record(stop, epoch, i, END)
+            if not _offer(ready, stop, _Batch(epoch, i, end=True)):
+                return
+            epoch, index = epoch + 1, 0
+
+    def _place_stream(self, epoch: int, index: int, batch) -> _Batch:
+        """This host's rows of a whole batch of the stream, on the devices."""
+        try:
+            check_leaves(batch, epoch, index)
+        except LoaderError as e:
+            return _Batch(epoch, index, error=str(e))
+        leaves = pytree.tree_leaves(batch)
+        rows = leaves[0].shape[0]
+        keep = self._positions(rows)
+        if keep != list(range(rows)):
+            batch = pytree.tree_map(lambda t: t[keep], batch)
+        b = self._place(epoch, index, batch)
+        b.rows = rows
+        return b
 
     def _epoch(self, plan, stop: threading.Event, ready: "queue.Queue") -> None:
         """Load the batches of ``plan`` in order with torch's DataLoader (its workers
@@ -249,12 +413,8 @@ class HostLoader:
                 b = _Batch(epoch, index, error=loaded)
             else:
                 b = self._place(epoch, index, loaded)
-            while not stop.is_set():
-                try:
-                    ready.put(b, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
+            if not _offer(ready, stop, b):
+                return
 
     def _place(self, epoch: int, index: int, batch) -> _Batch:
         """Cut a loaded batch into this slice's parts and put each leaf on the devices."""
@@ -290,6 +450,17 @@ class HostLoader:
                           f"{self.where} failed: {type(e).__name__}: {e}")
 
 
+def _offer(ready: "queue.Queue", stop: threading.Event, b: _Batch) -> bool:
+    """Queue ``b`` once there is room; False if the loader stopped first."""
+    while not stop.is_set():
+        try:
+            ready.put(b, timeout=0.2)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def _identity(x):
     return x
 
@@ -323,20 +494,30 @@ class _Rows(torch.utils.data.Dataset):
                 raise LoaderError(
                     f"the dataset {self.name!r} raised on {self.where} for index {int(i)} "
                     f"(batch {index} of epoch {epoch}): {type(e).__name__}: {e}") from None
-        try:
-            batch = self.collate(samples)
-        except Exception as e:
-            raise LoaderError(f"collating batch {index} of epoch {epoch} on {self.where} "
-                              f"failed: {type(e).__name__}: {e}") from None
-        for leaf in pytree.tree_leaves(batch):
-            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
-                kind = type(leaf).__name__ + (" (0-d)" if isinstance(leaf, torch.Tensor)
-                                              else "")
-                raise LoaderError(
-                    f"batch {index} of epoch {epoch} has a leaf of type {kind}: every leaf "
-                    "of a pw.DataLoader batch must be a tensor with the samples along "
-                    "dimension 0 (drop other fields in collate_fn)")
-        return batch
+        return collate_checked(self.collate, samples, self.where, epoch, index)
+
+
+def collate_checked(collate, samples: list, where: str, epoch: int, index: int):
+    """``collate(samples)``, a batch whose every leaf has the samples along dimension 0;
+    a LoaderError that says which batch and why not."""
+    try:
+        batch = collate(samples)
+    except Exception as e:
+        raise LoaderError(f"collating batch {index} of epoch {epoch} on {where} "
+                          f"failed: {type(e).__name__}: {e}") from None
+    check_leaves(batch, epoch, index)
+    return batch
+
+
+def check_leaves(batch, epoch: int, index: int) -> None:
+    for leaf in pytree.tree_leaves(batch):
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            kind = type(leaf).__name__ + (" (0-d)" if isinstance(leaf, torch.Tensor)
+                                          else "")
+            raise LoaderError(
+                f"batch {index} of epoch {epoch} has a leaf of type {kind}: every leaf "
+                "of a pw.DataLoader batch must be a tensor with the samples along "
+                "dimension 0 (drop other fields in collate_fn)")
 
 
 def _leaf_items(batch) -> List[int]:
@@ -368,10 +549,28 @@ def open_loader(service, request, context, to_device) -> None:
     if old is not None:
         old.close()
     service.loaders[request.loader_id] = loader
-    reply = service.pb.LoaderInfo(length=loader.length, treespec=tree, leaf_items=items)
+    reply = service.pb.LoaderInfo(length=loader.length, treespec=tree, leaf_items=items,
+                                  iterable=loader.iterable)
     for dtype, shape in samples:
         reply.samples.add(dtype=dtype, shape=list(shape))
     return reply
+
+
+def peek_loader(service, req):
+    """The PeekLoader RPC: does batch ``req.index`` of ``req.epoch`` of a stream exist
+    (and how many rows it has); answers once this host's prefetcher got there."""
+    pb = service.pb
+    loader = service.loaders.get(req.loader_id)
+    if loader is None or not loader.iterable:
+        why = "is not open" if loader is None else "is not over an IterableDataset"
+        return pb.LoaderPeekReply(has_error=True, error=service._err(
+            "data", f"loader {req.loader_id} {why} on {service.where}"))
+    rows = loader.peek(req.epoch, req.index, req.timeout_s)
+    if rows is None:
+        return pb.LoaderPeekReply(has_error=True, error=service._err(
+            "data", f"batch {req.index} of epoch {req.epoch} was not ready on "
+            f"{service.where} within {req.timeout_s:.0f} s"))
+    return pb.LoaderPeekReply(exists=rows != END, rows=max(rows, 0))
 
 
 def close_loaders(service, ids) -> None:

@@ -634,6 +634,12 @@ class MemberService(_make_servicer_base()):
         from .loader import open_loader
         return open_loader(self, request, context, self._loader_put)
 
+    def PeekLoader(self, request, context):
+        """Whether a stream's batch exists, once this host's loader got to it."""
+        self._authorize(context)
+        from .loader import peek_loader
+        return peek_loader(self, request)
+
     def _loader_put(self, blocks: dict, axis: str, rows: int):
         """This host's rows of a part of a batch ({sub-block: rows}) as the slice's
         global array of ``rows`` rows, split over ``axis``."""
