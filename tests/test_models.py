@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import pathways_torch as pw
-from zoo import MODELS, convnext, image_batch, torch_step
+from zoo import MODELS, TokenStream, convnext, gpt2, image_batch, torch_step
 
 TOL = 1e-4
 STEPS = 3
@@ -102,3 +102,27 @@ def test_stochastic_depth_trains_and_evaluates_like_torch(s2):
         want = torch.nn.functional.cross_entropy(model(x), y).item()
     assert float(tr.evaluate(x, y)) == pytest.approx(want, abs=1e-5)
     assert float(tr.evaluate(x, y)) == pytest.approx(want, abs=1e-5)
+
+
+def test_a_hugging_face_model_fits_on_a_stream_of_dict_samples_loaded_on_the_host(s2):
+    """GPT-2 fed by pw.DataLoader over a stream of dict samples (what a tokenized
+    streaming dataset gives): fit's losses equal plain torch's over torch's DataLoader
+    on the same stream, to its end (tolerance 1e-4, as above)."""
+    torch.manual_seed(0)
+    model = gpt2()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    expected = []
+    for b in torch.utils.data.DataLoader(TokenStream(n=24), batch_size=4):
+        opt.zero_grad()
+        loss = torch_step(ref, b, None)
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    tr = pw.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), None, slice=s2,
+                    parallelism=pw.DataParallel("data"))
+    loader = pw.DataLoader("zoo:token_stream", dataset_kwargs={"n": 24}, batch_size=4,
+                           slice=tr)
+    got = tr.fit(loader, progress=False)
+    assert len(got) == 6
+    assert list(got) == pytest.approx(expected, abs=TOL, rel=TOL), (got, expected)

@@ -130,3 +130,24 @@ def torch_step(model, batch, loss_fn):
         return model(**batch).loss
     x, y = batch
     return loss_fn(model(x), y)
+
+
+class TokenStream(torch.utils.data.IterableDataset):
+    """A stream of language-model samples (dicts, as a tokenized Hugging Face dataset
+    streams them): seeded token ids, their attention mask and labels."""
+
+    def __init__(self, n=24, seq=16, seed=0):
+        self.n, self.seq, self.seed = n, seq, seed
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed)
+        for i in range(self.n):
+            ids = torch.randint(0, V, (self.seq,), generator=g)
+            mask = torch.ones(self.seq, dtype=torch.long)
+            if i % 3 == 1:
+                mask[self.seq - 4:] = 0              # a padded sample
+            yield {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
+
+
+def token_stream(**kw):
+    return TokenStream(**kw)
