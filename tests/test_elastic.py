@@ -24,6 +24,9 @@ def cluster():
     restarted workers too) is gone after the shutdown."""
     pw.init(islands=2, devices_per_host=2, timeout=120)
     c = runtime._state.cluster
+    # The tests kill island 0's worker 4 times within a minute or so; the default of 3
+    # restarts in a row would leave it dead for the last (the bound is tested below).
+    c.max_restarts = 8
     try:
         yield c
     finally:

@@ -187,10 +187,13 @@ def make(seed=0):
                                torch.nn.Linear(16, 4))
 
 
+@pytest.mark.parametrize("dataset", ["rows", "stream"])
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "islands", "pipeline"])
-def test_training_on_host_batches_matches_torch(islands, strategy):
+def test_training_on_host_batches_matches_torch(islands, strategy, dataset):
     """Trainers fed by pw.DataLoader give plain torch's losses on the same batches
-    (tolerance 1e-5: the same float32 math, reduced in another order)."""
+    (tolerance 1e-5: the same float32 math, reduced in another order), from a shuffled
+    map-style dataset and from a stream (read whole by every loading host: both
+    islands, or a pipeline's first and last stages)."""
     model, ref = make(), make()
     ref.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -203,11 +206,18 @@ def test_training_on_host_batches_matches_torch(islands, strategy):
     else:
         kw = dict(parallelism=pw.Pipeline(2, 2, islands))
     trainer = pw.Trainer(model, opt, torch.nn.functional.mse_loss, **kw)
-    loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 48}, batch_size=16,
-                           slice=trainer, shuffle=True, seed=2)
+    if dataset == "stream":
+        loader = pw.DataLoader("loader_data:stream", dataset_kwargs={"n": 48},
+                               batch_size=16, slice=trainer)
+        batches = list(torch.utils.data.DataLoader(loader_data.Stream(n=48),
+                                                   batch_size=16))
+    else:
+        loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 48},
+                               batch_size=16, slice=trainer, shuffle=True, seed=2)
+        batches = reference(48, 16, seed=2, epoch=0)
     got = [float(trainer.step(x, y)) for x, y in loader]
     want = torch_losses(ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9),
-                        reference(48, 16, seed=2, epoch=0))
+                        batches)
     assert len(got) == 3
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
 
