@@ -292,6 +292,7 @@ def test_a_stream_gives_torchs_batches_and_ends_each_epoch_where_it_ends(islands
     loader = pw.DataLoader("loader_data:stream", dataset_kwargs={"n": 20}, batch_size=8,
                            slice=s, spec=P("data"), num_workers=num_workers)
     assert loader.is_stream and loader.dataset_length is None
+    assert "a stream, at epoch 0 batch 0" in repr(loader)
     with pytest.raises(TypeError, match="no length"):
         len(loader)
     ref = stream_reference(20, 8, num_workers)

@@ -83,9 +83,10 @@ class DataLoader:
     with ``dataset_kwargs`` (JSON values) to make a map-style dataset
     (``__getitem__``/``__len__``) or a ``torch.utils.data.IterableDataset`` (then
     ``shuffle`` is refused, as torch refuses it, and ``len()`` is the dataset's if it
-    has one; an epoch ends where its stream does). ``collate_fn``: ``"package.module:fn"`` or None for
-    torch's ``default_collate``; every leaf of a batch must be a tensor with the
-    samples along dimension 0, the same dtypes and per-sample shapes in every batch.
+    has one; an epoch ends where its stream does). ``collate_fn``:
+    ``"package.module:fn"`` or None for torch's ``default_collate``; every leaf of a
+    batch must be a tensor with the samples along dimension 0, the same dtypes and
+    per-sample shapes in every batch.
     ``num_workers``: torch DataLoader worker processes on each host; ``prefetch``:
     batches each host keeps ready on its devices.
 
@@ -377,8 +378,9 @@ class DataLoader:
 
     def __repr__(self) -> str:
         sp = self._spec
-        return (f"pw.DataLoader({sp.dataset!r}, batch_size={sp.batch_size}, "
-                f"{len(self)} batches an epoch, at epoch {self.epoch} batch {self.index})")
+        size = "a stream" if self._length < 0 else f"{len(self)} batches an epoch"
+        return (f"pw.DataLoader({sp.dataset!r}, batch_size={sp.batch_size}, {size}, "
+                f"at epoch {self.epoch} batch {self.index})")
 
 
 def _close_on(conns, loader_id: int) -> None:

@@ -412,8 +412,8 @@ class _Batches:
 
     def _stream(self, i: int):
         """Batch ``i`` of a fit over a stream's loader. Positions are found by asking
-        the hosts whether a batch exists (without loading the ones a resume skips); a
-        replay takes the same (epoch, index) again, which the hosts load again."""
+        the hosts whether a batch exists; a replay takes the same (epoch, index) again,
+        which the hosts load again."""
         return self._data._take(*self._pos[i]) if self._find(i) else None
 
     def _find(self, i: int) -> bool:
