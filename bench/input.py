@@ -11,6 +11,9 @@ three ways, in turn:
   host builds its batches and puts them on its devices; the client names them.
 - ``host2``: ``pw.DataLoader`` on two hosts (a MultiIsland trainer over islands 0 and
   1): each host loads half of every batch.
+- with ``--stream``, also ``stream1`` and ``stream2``: the same images as an
+  ``IterableDataset`` (``SyntheticImageStream``) on one and two hosts. A stream has
+  no indices, so each loading host reads all of it and keeps its half.
 
 Reports samples/s (median over rounds), the median of the per-round ratios to ``client``
 with their spread (``common.ratio_summary``), and the client process's CPU time per batch. Every loader (the client's and the
@@ -18,7 +21,7 @@ hosts') has ``--workers`` worker processes. On one machine the "hosts" share its
 with the client, so the ratios here understate what separate hosts give; the client's
 CPU per batch is what does not depend on that.
 
-    python bench/input.py [--rounds 3] [--steps 30] [--image 64] [--batch 64]
+    python bench/input.py [--rounds 3] [--steps 30] [--image 64] [--batch 64] [--stream]
 """
 
 from __future__ import annotations
@@ -77,21 +80,29 @@ def main() -> None:
     ap.add_argument("--image", type=int, default=64)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--stream", action="store_true",
+                    help="also stream1/stream2: the images as an IterableDataset")
     args = ap.parse_args()
     kw = {"size": 100_000, "image_size": args.image, "seed": 0}
     pw.init(islands=2, devices_per_host=2, timeout=300)
-    rates = {"client": [], "host1": [], "host2": []}
-    cpu = {"client": [], "host1": [], "host2": []}
+    order = ["client", "host1", "host2"] + (["stream1", "stream2"] if args.stream else [])
+    rates: dict = {w: [] for w in order}
+    cpu: dict = {w: [] for w in order}
     try:
         slices = [pw.slice((2,), axis_names=("data",), island=i) for i in range(2)]
         for r in range(args.rounds):
-            order = ["client", "host1", "host2"]
             for way in order if r % 2 == 0 else order[::-1]:
                 if way == "client":
                     trainer = trainer_on(slices[:1])
                     batches = torch.utils.data.DataLoader(
                         SyntheticImages(**kw), batch_size=args.batch, shuffle=True,
                         num_workers=args.workers, drop_last=True)
+                elif way.startswith("stream"):
+                    trainer = trainer_on(slices[:1] if way == "stream1" else slices)
+                    batches = pw.DataLoader(
+                        "pathways_torch.datasets:synthetic_image_stream",
+                        dataset_kwargs=kw, batch_size=args.batch, slice=trainer,
+                        drop_last=True, num_workers=args.workers)
                 else:
                     trainer = trainer_on(slices[:1] if way == "host1" else slices)
                     batches = pw.DataLoader("pathways_torch.datasets:synthetic_images",
@@ -113,7 +124,10 @@ def main() -> None:
           "sample_mib": round(3 * args.image ** 2 * 4 / 2 ** 20, 3),
           **{f"{w}_samples_per_s": round(median(v), 1) for w, v in rates.items()},
           **{f"{w}_client_cpu_ms_per_batch": round(median(v), 2) for w, v in cpu.items()},
-          "host1_over_client": ratio("host1"), "host2_over_client": ratio("host2")})
+          "host1_over_client": ratio("host1"), "host2_over_client": ratio("host2"),
+          **({"stream1_over_host1": ratio_summary(rates["stream1"], rates["host1"]),
+              "stream2_over_host2": ratio_summary(rates["stream2"], rates["host2"])}
+             if args.stream else {})})
 
 
 if __name__ == "__main__":

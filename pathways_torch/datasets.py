@@ -3,6 +3,7 @@
 ``SyntheticImages`` is what the ResNet recipe and ``bench/input.py`` feed through
 ``pw.DataLoader``: every sample is a pure function of (seed, index), so any host makes
 the same sample for the same index, and the classes differ enough to be learnt.
+``SyntheticImageStream`` gives the same images as a stream (an ``IterableDataset``).
 
 Example::
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 
 class SyntheticImages(Dataset):
@@ -46,3 +47,26 @@ class SyntheticImages(Dataset):
 def synthetic_images(**kwargs) -> SyntheticImages:
     """The factory ``pw.DataLoader`` names: ``SyntheticImages(**kwargs)``."""
     return SyntheticImages(**kwargs)
+
+
+class SyntheticImageStream(IterableDataset):
+    """``SyntheticImages`` as a stream, in index order; with torch DataLoader workers,
+    worker k streams the images ``i`` with ``i % num_workers == k`` (as torch's docs
+    split a stream), so every image comes once."""
+
+    def __init__(self, **kwargs) -> None:
+        self.images = SyntheticImages(**kwargs)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __iter__(self):
+        info = get_worker_info()
+        k, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(k, len(self.images), n):
+            yield self.images[i]
+
+
+def synthetic_image_stream(**kwargs) -> SyntheticImageStream:
+    """The factory of ``SyntheticImageStream(**kwargs)``."""
+    return SyntheticImageStream(**kwargs)

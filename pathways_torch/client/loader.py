@@ -134,6 +134,7 @@ class DataLoader:
         self._bound: tuple = ()         # the slices the targets were opened on
         self._length: Optional[int] = None
         self._iterable = False
+        self._ahead: Dict[tuple, int] = {}     # a stream's batches a host said it made
         self._tree = None
         self._items: List[int] = []
         self._samples: List[tuple] = []
@@ -299,6 +300,21 @@ class DataLoader:
             if index >= len(self):
                 return None
             return min(sp.batch_size, self._length - index * sp.batch_size)
+        rows = self._ahead.pop((epoch, index), None)
+        if rows is None:
+            rows = self._peek(epoch, index)
+        if rows < 0:
+            return None
+        rows = rows or sp.batch_size        # a batch that failed: its Arrays say why
+        if rows != sp.batch_size:
+            self._check_rows(rows, last=True)
+        return rows
+
+    def _peek(self, epoch: int, index: int) -> int:
+        """Ask one host for a stream's batch: its rows, or -1 past the stream's end.
+        The host also says which batches after it it has made (``next_rows``): the
+        next questions are answered from those."""
+        sp = self._spec
         self._ensure_open()
         conn = self._targets[0].slice._conn.parts()[0]
         what = f"batch {index} of epoch {epoch} of pw.DataLoader({sp.dataset!r})"
@@ -310,12 +326,11 @@ class DataLoader:
             raise conn._rpc_error(e, what) from None
         if rep.has_error:
             raise_buffer_error(rep.error, what)
-        if not rep.exists:
-            return None
-        rows = rep.rows or sp.batch_size    # a batch that failed: its Arrays say why
-        if rows != sp.batch_size:
-            self._check_rows(rows, last=True)
-        return rows
+        if len(self._ahead) > 1024:
+            self._ahead.clear()
+        for k, rows in enumerate(rep.next_rows, start=1):
+            self._ahead[(epoch, index + k)] = rows
+        return rep.rows if rep.exists else -1
 
     def _ensure_open(self) -> None:
         if self._current_slices() != self._bound:

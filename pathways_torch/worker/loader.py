@@ -219,9 +219,10 @@ class HostLoader:
                           f"{b.index} of epoch {b.epoch}, not {index} of {epoch}")
         return b
 
-    def peek(self, epoch: int, index: int, timeout: float) -> Optional[int]:
+    def peek(self, epoch: int, index: int, timeout: float) -> Optional[List[int]]:
         """A stream's batch ``index`` of ``epoch``: its rows once the prefetcher made
-        it, END if the stream ended before it, None if neither within ``timeout``.
+        it, END if the stream ended before it, None if neither within ``timeout``; then
+        the rows of the batches after it that the prefetcher has made too (up to END).
 
         Takes nothing off the queue: the ``BatchOp`` that follows takes the batch, in
         the op loop's order. The prefetcher runs ahead of those by ``prefetch``
@@ -238,7 +239,10 @@ class HostLoader:
         with self._made_cond:
             if not self._made_cond.wait_for(lambda: pos in self._made, timeout):
                 return None
-            return self._made[pos]
+            out = [self._made[pos]]
+            while out[-1] != END and (epoch, index + len(out)) in self._made:
+                out.append(self._made[(epoch, index + len(out))])
+            return out
 
     def _record(self, stop: threading.Event, epoch: int, index: int, rows: int) -> None:
         with self._made_cond:
@@ -570,7 +574,8 @@ def peek_loader(service, req):
         return pb.LoaderPeekReply(has_error=True, error=service._err(
             "data", f"batch {req.index} of epoch {req.epoch} was not ready on "
             f"{service.where} within {req.timeout_s:.0f} s"))
-    return pb.LoaderPeekReply(exists=rows != END, rows=max(rows, 0))
+    return pb.LoaderPeekReply(exists=rows[0] != END, rows=max(rows[0], 0),
+                              next_rows=rows[1:])
 
 
 def close_loaders(service, ids) -> None:
