@@ -1011,13 +1011,24 @@ def scale(rep: Report) -> None:
             continue
         at = b.get("at_hosts")
         where = (f" (at {at:,} hosts)" if isinstance(at, int) else f" ({at})" if at else "")
-        verdict = ("–" if b.get("met") is None else "met" if b["met"] else "**not met**")
-        value = ("not measured" if b.get("measured") is None else
-                 num(b["measured"], 3 if key == "idle_cpu_core" else None))
+        inter = b.get("interleaved") and b.get("measured") is not None
+        if inter:       # the median of interleaved per-round ratios, with its spread
+            summary = {"median": b["measured"], "lo": b["lo"], "hi": b["hi"],
+                       "rounds": b["rounds"], "spread": b.get("spread")}
+            verdict = met(summary, b["bar"], higher_is_better=False)
+            value = spread(summary)
+        else:
+            verdict = ("–" if b.get("met") is None else "met" if b["met"] else
+                       "**not met**")
+            value = ("not measured" if b.get("measured") is None else
+                     num(b["measured"], 3 if key == "idle_cpu_core" else None))
         brow.append([label + where, value, fmt.format(b.get("bar")), verdict])
         rep.headline(label + where, value, fmt.format(b.get("bar")), verdict=verdict)
-        if key.startswith("wait") and b.get("measured") is not None:
-            # a ratio, though from one measurement of each side (bench/scale.py)
+        if inter:
+            rep.records[-1].update(kind="ratio", median=b["measured"], lo=b["lo"],
+                                   hi=b["hi"], rounds=b["rounds"], interleaved=True)
+        elif key.startswith("wait") and b.get("measured") is not None:
+            # a ratio, though from one measurement of each side (an older result)
             rep.records[-1].update(kind="ratio", median=b["measured"], lo=None, hi=None,
                                    rounds=None, interleaved=False)
     if brow:

@@ -41,7 +41,7 @@ import threading
 import time
 import traceback
 
-from common import emit
+from common import emit, ratio_summary
 
 import fakehosts as fh
 from fakehosts import pb
@@ -330,9 +330,51 @@ def client_main(address: str, ks, repeats: int, graphs: int) -> None:
                 except Exception:   # noqa: BLE001
                     pass
         out[f"k{k}"] = r
+    if 1 in ks and 64 in ks:
+        try:
+            out["interleaved"] = interleaved_waits(pw, torch, rounds=7, per=5)
+        except Exception as e:      # noqa: BLE001
+            out["interleaved"] = {"error": f"{type(e).__name__}: {e}"}
     out["threads_after"] = threads()
     pw.shutdown()
     print(json.dumps(out), flush=True)
+
+
+def interleaved_waits(pw, torch, rounds: int, per: int) -> dict:
+    """The bars' ratios, pw.wait over 64 slices / over 1, measured interleaved: in each
+    round the median of ``per`` waits over 1 slice and over 64 (the order alternating
+    from round to round), on Arrays waited before and on fresh ones; the median of the
+    per-round ratios with their spread (``common.ratio_summary``)."""
+    one, many = [pw.slice(1)], [pw.slice(1) for _ in range(64)]
+    try:
+        waited = {k: [pw.put(torch.zeros(4), s) for s in ss] for k, ss in
+                  ((1, one), (64, many))}
+        for a in waited.values():
+            pw.wait(a)
+
+        def time_wait(k: int, fresh: bool) -> float:
+            ts = []
+            for _ in range(per):
+                arrays = [pw.put(torch.zeros(4), s) for s in (one if k == 1 else many)] \
+                    if fresh else waited[k]
+                t0 = time.perf_counter()
+                pw.wait(arrays)
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts)
+
+        ratios: dict = {"wait": [], "fresh": []}
+        for r in range(rounds):
+            for key, fresh in (("wait", False), ("fresh", True)):
+                ks = (1, 64) if r % 2 == 0 else (64, 1)
+                t = {k: time_wait(k, fresh) for k in ks}
+                ratios[key].append(t[64] / t[1])
+        return {key: ratio_summary(v) for key, v in ratios.items()}
+    finally:
+        for s in one + many:
+            try:
+                s.release()
+            except Exception:       # noqa: BLE001
+                pass
 
 
 # ---------------------------------------------------------------------------- one N
@@ -416,6 +458,16 @@ def bars(per_n: dict) -> dict:
     def verdict(value, bar):
         return None if value is None else value <= bar
 
+    def interleaved_bar(summary: dict, at: int) -> dict:
+        """A bar from an interleaved ratio: met / not met only when its whole spread
+        lies on one side (None: undecided)."""
+        lo, hi = summary["lo"], summary["hi"]
+        return {"bar": BARS["wait_k64_over_k1"], "measured": summary["median"], "lo": lo,
+                "hi": hi, "rounds": summary["rounds"], "spread": summary["spread"],
+                "at_hosts": at, "interleaved": True,
+                "met": True if hi <= BARS["wait_k64_over_k1"] else
+                False if lo > BARS["wait_k64_over_k1"] else None}
+
     reg = get(per_n, "2048", "register_s")
     silent = [x for n in ns for x in (get(per_n, str(n), "notice", "silent", "seconds") or [])]
     silent_max = None if not silent or None in silent else max(silent)
@@ -447,6 +499,13 @@ def bars(per_n: dict) -> dict:
     }
     for b in out.values():
         b["met"] = verdict(b["measured"], b["bar"])
+    # Where the client measured them interleaved, those replace the ratios of two p50s.
+    for n in reversed(ns):
+        inter = get(per_n, str(n), "client", "interleaved") or {}
+        if "wait" in inter and "fresh" in inter:
+            out["wait_k64_over_k1"] = interleaved_bar(inter["wait"], n)
+            out["wait_fresh_k64_over_k1"] = interleaved_bar(inter["fresh"], n)
+            break
     return out
 
 
