@@ -305,6 +305,34 @@ def test_a_stream_gives_torchs_batches_and_ends_each_epoch_where_it_ends(islands
             assert torch.equal(x.torch(), rx) and torch.equal(y.torch(), ry)
 
 
+def test_a_streams_host_pushes_what_it_made_so_the_client_rarely_asks(islands,
+                                                                     monkeypatch):
+    """The asked host pushes each batch its loader made on the slice's stream; the
+    client asks (a PeekLoader RPC) only where it has nothing to wait for: the first
+    batch, and after a jump (load_state_dict). Over 2 epochs of 12 batches and their
+    ends (26 positions) it asks at most a few times, not once a batch."""
+    from pathways_torch.client import loader as client_loader
+    asked = []
+    peek = client_loader.DataLoader._peek
+    monkeypatch.setattr(client_loader.DataLoader, "_peek",
+                        lambda self, e, i, jump: asked.append((e, i)) or peek(self, e, i,
+                                                                               jump))
+    loader = pw.DataLoader("loader_data:stream", dataset_kwargs={"n": 96}, batch_size=8,
+                           slice=islands[0], spec=P("data"))
+    ref = stream_reference(96, 8)
+    for epoch in range(2):
+        got = [x.torch() for x, _ in loader]
+        assert len(got) == 12 and all(torch.equal(a, r) for a, (r, _) in zip(got, ref))
+    assert asked[0] == (0, 0) and len(asked) <= 4, asked
+    state = loader.state_dict()
+    state["index"] = 5                              # a jump: asked again, then pushed
+    loader.load_state_dict(state)
+    asked.clear()
+    rest = [x.torch() for x, _ in loader]
+    assert len(rest) == 7 and torch.equal(rest[0], ref[5][0])
+    assert asked[0] == (2, 5) and len(asked) <= 3, asked
+
+
 def test_a_stream_over_islands_drop_last_and_sizes(islands):
     """Each island's host reads the stream and keeps its half of each batch; a sized
     stream has a len(); drop_last drops the short batch; a short batch that does not

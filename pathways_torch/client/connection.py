@@ -23,7 +23,7 @@ import random
 import socket
 import threading
 import time
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import grpc
 import torch
@@ -258,6 +258,9 @@ class ExecutorConnection:
         self._asked = 0                    # the highest seq a pending WatchOp covers
         self._done_seq = 0
         self._failed: dict = {}
+        # pw.DataLoader streams told of their host's made batches (DispatchEvent.made):
+        # loader id -> a callable taking each pb.LoaderMade
+        self.loader_watchers: Dict[int, Callable] = {}
 
     # ------------------------------------------------------------- ids and ops
     def new_id(self) -> int:
@@ -298,8 +301,14 @@ class ExecutorConnection:
 
     def close_loader(self, loader_id: int) -> None:
         """Called when a pw.DataLoader is dropped (a finalizer, like ``release``)."""
+        self.loader_watchers.pop(loader_id, None)
         if not self.closed:
             self._q.put(_CloseLoader(loader_id))
+
+    def watch_loader(self, loader_id: int, fn: Callable) -> None:
+        """Call ``fn(pb.LoaderMade)`` for each batch position the host's loader pushes."""
+        self.loader_watchers[loader_id] = fn
+        self._start_reader()
 
     def release(self, buffer_id: int) -> None:
         """Called from Array finalizers; SimpleQueue.put is safe there (reentrant)."""
@@ -406,6 +415,10 @@ class ExecutorConnection:
                         _WATERMARKS.notify_all()
                 elif ev.unwatched:
                     self._unwatched()
+                for made in ev.made:
+                    fn = self.loader_watchers.get(made.loader_id)
+                    if fn is not None:
+                        fn(made)
         except grpc.RpcError as e:
             if not self.closed:
                 self.broken = f"the executor of {self.where} is unreachable: {e.details()}"

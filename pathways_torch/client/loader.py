@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -46,6 +47,11 @@ from ..sharding import P, as_spec, member_blocks
 from . import runtime
 from .array import Array
 from .connection import raise_buffer_error
+
+
+# How long a stream's loader waits for its host's push of a batch it expects before it
+# asks (a PeekLoader RPC, which also restarts the host's loader where needed).
+PUSH_WAIT_S = 0.5
 
 
 class Parts:
@@ -135,6 +141,9 @@ class DataLoader:
         self._length: Optional[int] = None
         self._iterable = False
         self._ahead: Dict[tuple, int] = {}     # a stream's batches a host said it made
+        self._ahead_cond = threading.Condition()
+        self._next_pos: Optional[tuple] = None  # the position after the last one asked
+        self._pushed = False                    # the asked host's pushes are arriving
         self._tree = None
         self._items: List[int] = []
         self._samples: List[tuple] = []
@@ -188,10 +197,11 @@ class DataLoader:
             msg.parts, msg.axis = t.parts, t.axis or ""
             msg.mine.extend(t.mine)
             msg.leaves.extend(t.items)
-            for conn, subs in zip(s._conn.parts(), _host_rows(s, t.axis)):
+            for k, (conn, subs) in enumerate(zip(s._conn.parts(), _host_rows(s, t.axis))):
                 # a slice that spans hosts: each host loads its own devices' rows
                 one = pb.LoaderSpec()
                 one.CopyFrom(msg)
+                one.push_made = t is targets[0] and k == 0     # the host a stream asks
                 if s.spans_hosts and t.axis:
                     one.sub = s.axis_size(t.axis)
                     one.sub_mine.extend(subs)
@@ -217,6 +227,14 @@ class DataLoader:
         if self._closer is not None:
             self._closer()
         self._closer = weakref.finalize(self, _close_on, conns, sp.loader_id)
+        if self._iterable:
+            # the asked host pushes what it makes; a weak reference, so that dropping
+            # the loader still closes it
+            on_made = weakref.WeakMethod(self._on_made)
+            self._asked().watch_loader(sp.loader_id,
+                                       lambda m: (on_made() or _ignore)(m))
+            with self._ahead_cond:
+                self._next_pos, self._pushed = None, False
         self._check_sizes()
 
     def _check_sizes(self) -> None:
@@ -300,9 +318,17 @@ class DataLoader:
             if index >= len(self):
                 return None
             return min(sp.batch_size, self._length - index * sp.batch_size)
-        rows = self._ahead.pop((epoch, index), None)
+        self._ensure_open()
+        pos = (epoch, index)
+        with self._ahead_cond:
+            if pos not in self._ahead and self._pushed and pos == self._next_pos:
+                # the host's prefetcher is on its way there: its push will say
+                self._ahead_cond.wait_for(lambda: pos in self._ahead, PUSH_WAIT_S)
+            rows = self._ahead.pop(pos, None)
         if rows is None:
-            rows = self._peek(epoch, index)
+            rows = self._peek(epoch, index, jump=pos != self._next_pos)
+        with self._ahead_cond:
+            self._next_pos = (epoch + 1, 0) if rows < 0 else (epoch, index + 1)
         if rows < 0:
             return None
         rows = rows or sp.batch_size        # a batch that failed: its Arrays say why
@@ -310,26 +336,41 @@ class DataLoader:
             self._check_rows(rows, last=True)
         return rows
 
-    def _peek(self, epoch: int, index: int) -> int:
+    def _asked(self):
+        """The host a stream's loader asks (and that pushes what it makes)."""
+        return self._targets[0].slice._conn.parts()[0]
+
+    def _on_made(self, made: pb.LoaderMade) -> None:
+        """A position the asked host's prefetcher made (the stream's reader thread)."""
+        pos = (made.epoch, made.index)
+        with self._ahead_cond:
+            self._pushed = True
+            if self._next_pos is None or pos >= self._next_pos:     # not one passed
+                if len(self._ahead) > 1024:
+                    self._ahead.clear()
+                self._ahead[pos] = made.rows
+                self._ahead_cond.notify_all()
+
+    def _peek(self, epoch: int, index: int, jump: bool) -> int:
         """Ask one host for a stream's batch: its rows, or -1 past the stream's end.
         The host also says which batches after it it has made (``next_rows``): the
         next questions are answered from those."""
         sp = self._spec
-        self._ensure_open()
-        conn = self._targets[0].slice._conn.parts()[0]
+        conn = self._asked()
         what = f"batch {index} of epoch {epoch} of pw.DataLoader({sp.dataset!r})"
         try:
             rep = conn.stub.PeekLoader(pb.LoaderPeek(
-                loader_id=sp.loader_id, epoch=epoch, index=index, timeout_s=conn.timeout),
-                timeout=conn.timeout + 5)
+                loader_id=sp.loader_id, epoch=epoch, index=index, timeout_s=conn.timeout,
+                jump=jump), timeout=conn.timeout + 5)
         except grpc.RpcError as e:
             raise conn._rpc_error(e, what) from None
         if rep.has_error:
             raise_buffer_error(rep.error, what)
-        if len(self._ahead) > 1024:
-            self._ahead.clear()
-        for k, rows in enumerate(rep.next_rows, start=1):
-            self._ahead[(epoch, index + k)] = rows
+        with self._ahead_cond:
+            if len(self._ahead) > 1024:
+                self._ahead.clear()
+            for k, rows in enumerate(rep.next_rows, start=1):
+                self._ahead[(epoch, index + k)] = rows
         return rep.rows if rep.exists else -1
 
     def _ensure_open(self) -> None:
@@ -396,6 +437,10 @@ class DataLoader:
         size = "a stream" if self._length < 0 else f"{len(self)} batches an epoch"
         return (f"pw.DataLoader({sp.dataset!r}, batch_size={sp.batch_size}, {size}, "
                 f"at epoch {self.epoch} batch {self.index})")
+
+
+def _ignore(_made) -> None:
+    """What a dropped loader's push watcher calls."""
 
 
 def _close_on(conns, loader_id: int) -> None:

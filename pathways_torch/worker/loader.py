@@ -113,9 +113,13 @@ class HostLoader:
     """One loader on one slice: the dataset, and a thread that keeps ``prefetch``
     batches ready on the devices, from the position the client last asked for."""
 
-    def __init__(self, spec, where: str, to_device: Callable) -> None:
+    def __init__(self, spec, where: str, to_device: Callable,
+                 made: Optional[Callable[[int, int, int], None]] = None) -> None:
         self.spec = spec
         self.where = where
+        # ``made(epoch, index, rows)``: tell the client each position the prefetcher
+        # makes (a stream's loader with push_made), so that it need not peek
+        self._made_hook = made if spec.push_made else None
         # ({sub-block: cpu rows}, batch axis, the part's rows) -> (buffer, shards)
         self._to_device = to_device
         kwargs = json.loads(spec.dataset_kwargs_json or "{}")
@@ -219,21 +223,23 @@ class HostLoader:
                           f"{b.index} of epoch {b.epoch}, not {index} of {epoch}")
         return b
 
-    def peek(self, epoch: int, index: int, timeout: float) -> Optional[List[int]]:
+    def peek(self, epoch: int, index: int, timeout: float,
+             jump: bool = False) -> Optional[List[int]]:
         """A stream's batch ``index`` of ``epoch``: its rows once the prefetcher made
         it, END if the stream ended before it, None if neither within ``timeout``; then
         the rows of the batches after it that the prefetcher has made too (up to END).
 
         Takes nothing off the queue: the ``BatchOp`` that follows takes the batch, in
         the op loop's order. The prefetcher runs ahead of those by ``prefetch``
-        batches, so a client that peeks further ahead without naming the batches
-        between waits (``fit``'s resume names the batches it skips)."""
+        batches, so a client asks in order, each batch after one it learned was made
+        and named (``fit``'s resume names the batches it skips). Anything else is a
+        ``jump``: the prefetcher starts again there unless it made that batch."""
         pos = (epoch, index)
         with self._lock:
             with self._made_cond:
-                passed = pos not in self._made and self._last is not None \
-                    and self._last >= pos
-            if self._thread is None or pos < self._from or passed:
+                made = pos in self._made
+                passed = not made and self._last is not None and self._last >= pos
+            if self._thread is None or pos < self._from or passed or (jump and not made):
                 self._restart(epoch, index)
                 self._expect = pos
         with self._made_cond:
@@ -246,10 +252,13 @@ class HostLoader:
 
     def _record(self, stop: threading.Event, epoch: int, index: int, rows: int) -> None:
         with self._made_cond:
-            if not stop.is_set():
-                self._made[(epoch, index)] = rows
-                self._last = (epoch, index)
-                self._made_cond.notify_all()
+            if stop.is_set():
+                return
+            self._made[(epoch, index)] = rows
+            self._last = (epoch, index)
+            self._made_cond.notify_all()
+        if self._made_hook is not None:
+            self._made_hook(epoch, index, rows)
 
     def _continues(self, epoch: int, index: int) -> bool:
         """Whether the prefetcher's next batch is the one asked for. A stream's next
@@ -544,8 +553,13 @@ def open_loader(service, request, context, to_device) -> None:
         validate.check_loader(request, service.axis_names)
     except validate.InvalidMessage as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    def made(epoch: int, index: int, rows: int) -> None:
+        # on the slice's Dispatch stream, where the client's reader takes it
+        service._events.put(service.pb.DispatchEvent(made=[service.pb.LoaderMade(
+            loader_id=request.loader_id, epoch=epoch, index=index, rows=rows)]))
+
     try:
-        loader = HostLoader(request, service.where, to_device)
+        loader = HostLoader(request, service.where, to_device, made)
         tree, samples, items = loader.describe()
     except LoaderError as e:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -569,7 +583,7 @@ def peek_loader(service, req):
         why = "is not open" if loader is None else "is not over an IterableDataset"
         return pb.LoaderPeekReply(has_error=True, error=service._err(
             "data", f"loader {req.loader_id} {why} on {service.where}"))
-    rows = loader.peek(req.epoch, req.index, req.timeout_s)
+    rows = loader.peek(req.epoch, req.index, req.timeout_s, req.jump)
     if rows is None:
         return pb.LoaderPeekReply(has_error=True, error=service._err(
             "data", f"batch {req.index} of epoch {req.epoch} was not ready on "
