@@ -125,9 +125,14 @@ def colocated(fn: str, *, out_specs: Optional[Sequence] = None, max_outputs: int
 
 
 
+def _spec(specs: list, k: int):
+    """Output ``k``'s partition spec: ``out_specs[k]``, else replicated."""
+    return specs[k] if k < len(specs) else as_spec(None)
+
+
 def _array(s, fn: str, bid: int, meta: pb.TensorMeta, specs: list, k: int) -> Array:
     """The Array output ``k`` of a colocated call became (buffer ``bid``)."""
-    spec = specs[k] if k < len(specs) else as_spec(None)
+    spec = _spec(specs, k)
     shape = tuple(meta.shape)
     return Array(s, bid, s._conn.seq, shape, codec.dtype_from_name(meta.dtype),
                  spec.normalized(len(shape)), f"pw.colocated({fn!r})")
@@ -170,10 +175,9 @@ def _per_host(s, fn: str, reps: list, ids: list, specs: list) -> list:
             region = (tuple(r.regions[k].start), tuple(r.regions[k].shape))
             first = by_region.setdefault(region, (h, r.crcs[k]))
             if first[1] != r.crcs[k]:
-                spec = specs[k] if k < len(specs) else as_spec(None)
                 raise ColocatedError(
                     f"{what}: hosts {first[0]} and {h} hold the same region of tensor {k} "
-                    f"under {spec!r} but returned different values; return the same "
+                    f"under {_spec(specs, k)!r} but returned different values; return the same "
                     "values there, or give out_specs that split the output across hosts",
                     program=fn)
         arrays.append(_array(s, fn, ids[k], reps[0].tensors[k], specs, k))

@@ -325,6 +325,8 @@ class DataLoader:
                 # the host's prefetcher is on its way there: its push will say
                 self._ahead_cond.wait_for(lambda: pos in self._ahead, PUSH_WAIT_S)
             rows = self._ahead.pop(pos, None)
+            for passed in [k for k in self._ahead if k < pos]:
+                del self._ahead[passed]
         if rows is None:
             rows = self._peek(epoch, index, jump=pos != self._next_pos)
         with self._ahead_cond:
@@ -345,11 +347,15 @@ class DataLoader:
         pos = (made.epoch, made.index)
         with self._ahead_cond:
             self._pushed = True
-            if self._next_pos is None or pos >= self._next_pos:     # not one passed
-                if len(self._ahead) > 1024:
-                    self._ahead.clear()
-                self._ahead[pos] = made.rows
-                self._ahead_cond.notify_all()
+            self._learn(pos, made.rows)
+            self._ahead_cond.notify_all()
+
+    def _learn(self, pos: tuple, rows: int) -> None:
+        """Keep what a host said of a batch until the client gets there (``_rows``
+        drops what it has passed); called with ``_ahead_cond`` held."""
+        if len(self._ahead) > 1024:
+            self._ahead.clear()
+        self._ahead[pos] = rows
 
     def _peek(self, epoch: int, index: int, jump: bool) -> int:
         """Ask one host for a stream's batch: its rows, or -1 past the stream's end.
@@ -367,10 +373,8 @@ class DataLoader:
         if rep.has_error:
             raise_buffer_error(rep.error, what)
         with self._ahead_cond:
-            if len(self._ahead) > 1024:
-                self._ahead.clear()
             for k, rows in enumerate(rep.next_rows, start=1):
-                self._ahead[(epoch, index + k)] = rows
+                self._learn((epoch, index + k), rows)
         return rep.rows if rep.exists else -1
 
     def _ensure_open(self) -> None:

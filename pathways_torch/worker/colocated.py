@@ -129,7 +129,7 @@ def run_colocated_member(m, req):
                 "colocated", f"output {k} of {req.fn} ({t.dtype}{list(t.shape)} on "
                 f"{m.where}) cannot be placed as this host's part of an Array under "
                 f"{spec!r}: {e}", req.fn))
-        with m.cond:
+        with m.cond:    # computed already: not the op loop's _put_buf bookkeeping
             m.store[req.out_ids[k]] = _Buf(array, None, value.nbytes)
             m.cond.notify_all()
         reply.tensors.add(dtype=dtype, shape=list(shape))
