@@ -47,7 +47,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import DataDependentError, PathwaysError, ShapeError, TraceError
-from . import lowerings, remat
+from . import lowerings, remat, torch_paths
 
 _lock = threading.RLock()
 _device = None
@@ -63,7 +63,8 @@ def xla_device():
     global _device
     if _device is None:
         os.environ.setdefault("PJRT_DEVICE", "CPU")
-        import torch_xla
+        from .._xla import import_torch_xla
+        torch_xla = import_torch_xla()
         _device = torch_xla.device()
     return _device
 
@@ -162,16 +163,18 @@ def _decompositions() -> Dict:
 @contextlib.contextmanager
 def _compiling():
     """What user code sees while it is traced: ``torch.compiler.is_compiling()`` (so
-    libraries avoid reading values) and the math path of SDPA (XLA's own choice)."""
+    libraries avoid reading values), the math path of SDPA (XLA's own choice), and
+    torch's modules on paths that XLA lowers (torch_paths.py)."""
     import torch.compiler as tc
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    old = tc._is_compiling_flag
-    tc._is_compiling_flag = True
-    try:
-        with sdpa_kernel([SDPBackend.MATH]):
-            yield
-    finally:
-        tc._is_compiling_flag = old
+    with torch_paths.traceable():
+        old = tc._is_compiling_flag
+        tc._is_compiling_flag = True
+        try:
+            with sdpa_kernel([SDPBackend.MATH]):
+                yield
+        finally:
+            tc._is_compiling_flag = old
 
 
 @contextlib.contextmanager
@@ -250,6 +253,12 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
         raise _user_error(name, sig, e) from e
     remat.check_random(joint, name)
     remat.tie_regions(joint)
+    # New fakes: the first trace set requires_grad on its copies of ``fakes``, and a
+    # module that keeps references to them (nn.LSTM's _flat_weights) keeps them in the
+    # fake mode's memo, which would hand them to this trace as leaves that require grad.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fakes = [torch.empty(f.shape, dtype=f.dtype) for f in fakes]
     try:
         gm = make_fx(torch.func.functionalize(joint, remove="mutations_and_views"),
                      tracing_mode="fake", decomposition_table=table,

@@ -56,13 +56,21 @@ class Options:
 
 # ---------------------------------------------------------------------- the model call
 
+@contextlib.contextmanager
 def reparametrized(model: torch.nn.Module, tensors: Dict[str, torch.Tensor]):
     """The module with its parameters and buffers replaced by ``tensors`` (tied weights
     stay tied) for the duration of the block. The backward must run inside it too:
     ``torch.utils.checkpoint`` recomputes the forward during the backward, with
     whatever parameters the module holds then."""
     from torch.nn.utils.stateless import _reparametrize_module
-    return _reparametrize_module(model, tensors, tie_weights=True)
+    try:
+        with _reparametrize_module(model, tensors, tie_weights=True):
+            yield
+    finally:
+        # RNNs cache their weights in _flat_weights, which would keep the traced ones
+        for m in model.modules():
+            if isinstance(m, torch.nn.RNNBase):
+                m._init_flat_weights()
 
 
 def call_model(model: torch.nn.Module, inputs: Any):

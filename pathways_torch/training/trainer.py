@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -70,6 +71,7 @@ class Trainer:
                  max_grad_norm: Optional[float] = None, accumulate: int = 1,
                  precision: Optional[str] = None, scheduler=None,
                  seed: Optional[int] = None) -> None:
+        model = _uncompiled(model)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.options = Options(max_grad_norm, int(accumulate), precision)
         self.scheduler = scheduler
@@ -293,12 +295,26 @@ class Trainer:
         """Copy the trained parameters and buffers back into ``model`` (default: the
         Trainer's own) and the optimizer state into the torch optimizer, so that
         plain torch can go on where the Trainer stopped."""
-        model = model or self.model
+        model = self.model if model is None else _uncompiled(model)
         sd = self.state_dict()
+        # matched by name as if nothing were torch.compile'd (a compiled block adds
+        # "_orig_mod."), so a compiled model syncs to a plain copy and back
+        trained = {_plain(n): t for n, t in sd["model"].items()}
+        ours = [(_plain(n), t) for n, t in
+                list(model.named_parameters()) + list(model.named_buffers())]
+        missing = [n for n, _ in ours if n not in trained]
+        unexpected = sorted(set(trained) - {n for n, _ in ours})
+        wrong = [f"{n}: {list(t.shape)} here, {list(trained[n].shape)} trained"
+                 for n, t in ours if n in trained and t.shape != trained[n].shape]
+        if missing or unexpected or wrong:
+            raise PathwaysError(
+                "sync_to: the module is not the one this Trainer trains "
+                f"(missing from the Trainer: {missing[:5]}, not in the module: "
+                f"{unexpected[:5]}, shapes: {wrong[:5]}); pass the model you built the "
+                "Trainer with, or a copy of it")
         with torch.no_grad():
-            for n, t in list(model.named_parameters()) + list(model.named_buffers()):
-                if n in sd["model"]:
-                    t.copy_(sd["model"][n])
+            for n, t in ours:
+                t.copy_(trained[n])
         if model is self.model:
             named = dict(self.model.named_parameters())
             for n, st in sd["optim"].items():
@@ -466,6 +482,21 @@ class Trainer:
                            on_step=on_step, wait_timeout=wait_timeout,
                            keep_checkpoints=keep_checkpoints, progress=progress,
                            resume=resume)
+
+
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that ``torch.compile(model)`` wraps (the same parameters, named as
+    in the model itself); XLA compiles the whole step, so the wrapper adds nothing."""
+    if "torch._dynamo" not in sys.modules:      # nothing was compiled
+        return model
+    from torch._dynamo.eval_frame import OptimizedModule
+    while isinstance(model, OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
+def _plain(name: str) -> str:
+    return name.replace("_orig_mod.", "")
 
 
 def _jsonable(value):

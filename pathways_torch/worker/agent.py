@@ -474,7 +474,8 @@ def serve(args: argparse.Namespace) -> None:
 
     # Preload the heavy modules once; every executor is forked with them in memory.
     import torch  # noqa: F401
-    import torch_xla  # noqa: F401
+    from .._xla import import_torch_xla
+    import_torch_xla()
     zygote = Zygote()
 
     from ..rpc import pathways_pb2 as pb

@@ -93,7 +93,8 @@ class ExecutorService(OpLoop, Programs, Transfers, BackPressure, CheckpointIO,
     def __init__(self, req: dict, plans: Optional[MemoryPlans] = None) -> None:
         import numpy as np
         import torch
-        import torch_xla
+        from .._xla import import_torch_xla
+        torch_xla = import_torch_xla()
         import torch_xla.runtime as xr
         import torch_xla.distributed.spmd as xs
         from ..rpc import pathways_pb2 as pb

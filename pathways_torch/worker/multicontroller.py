@@ -97,7 +97,8 @@ class TorchXlaRuntime:
         os.environ.update(multicontroller_env(kind, rendezvous, num_processes, process_id,
                                               devices, member_hosts))
         import torch
-        import torch_xla
+        from .._xla import import_torch_xla
+        torch_xla = import_torch_xla()
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
         xr.use_spmd()

@@ -1,0 +1,105 @@
+"""torch's CPU-only paths, replaced while a program is traced by what they compute.
+
+Programs are traced on fake CPU tensors, so torch's modules take the paths they take on
+a CPU, some of which XLA cannot lower:
+
+- **oneDNN.** ``nn.LSTM`` and ``nn.GRU`` call ``mkldnn_rnn_layer`` on CPU tensors.
+  Without oneDNN they are cells of matmuls, the same numbers.
+- **The native attention fast path.** In eval mode without gradients,
+  ``nn.TransformerEncoder`` turns a padding mask into nested tensors (and
+  ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` call fused kernels).
+  With the fast path off every layer computes the same numbers, except one thing the
+  nested tensors change: the encoder's outputs at padded positions are zeros when
+  torch takes that path (a data-dependent choice: only when every row's padding is at
+  its end). ``_encoder_forward`` computes exactly that with ``torch.where``.
+- **torch.compile.** A compiled module or function inside a program would run dynamo
+  inside the trace; XLA compiles the whole program, so they run as the code they wrap
+  (``torch.compiler.set_stance("force_eager")``).
+
+Example::
+
+    with torch_paths.traceable():
+        joint = make_fx(fn, tracing_mode="fake")(*fakes)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@contextlib.contextmanager
+def traceable() -> Iterator[None]:
+    """Within the block, torch's modules take paths that XLA lowers, with torch's
+    CPU numbers (see the module's docstring)."""
+    import torch.compiler as tc
+    encoder = torch.nn.TransformerEncoder
+    original = encoder.forward
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    mkldnn = torch._C._get_mkldnn_enabled()
+
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+        return _encoder_forward(original, fastpath, self, src, mask, src_key_padding_mask,
+                                is_causal)
+
+    with tc.set_stance("force_eager"):
+        torch._C._set_mkldnn_enabled(False)
+        torch.backends.mha.set_fastpath_enabled(False)
+        encoder.forward = forward
+        try:
+            yield
+        finally:
+            encoder.forward = original
+            torch.backends.mha.set_fastpath_enabled(fastpath)
+            torch._C._set_mkldnn_enabled(mkldnn)
+
+
+def _encoder_forward(original, fastpath: bool, self, src, mask, src_key_padding_mask,
+                     is_causal):
+    """``nn.TransformerEncoder.forward`` as on a CPU: the layers without the fast path,
+    then zeros at the padded positions where torch's nested-tensor path would put them,
+    then the final norm."""
+    zero = _nested_zeros(self, fastpath, src, mask, src_key_padding_mask)
+    if zero is None:
+        return original(self, src, mask=mask, src_key_padding_mask=src_key_padding_mask,
+                        is_causal=is_causal)
+    norm, self.norm = self.norm, None
+    try:
+        out = original(self, src, mask=mask, src_key_padding_mask=src_key_padding_mask,
+                       is_causal=is_causal)
+    finally:
+        self.norm = norm
+    out = torch.where(zero.unsqueeze(-1), torch.zeros((), dtype=out.dtype), out)
+    return norm(out) if norm is not None else out
+
+
+def _nested_zeros(self, fastpath: bool, src, mask, src_key_padding_mask
+                  ) -> Optional[torch.Tensor]:
+    """Where torch's nested-tensor path would leave zeros in the encoder's output (a
+    bool [batch, seq] tensor), or None when torch would not take that path whatever the
+    values. The static conditions are torch's (``TransformerEncoder.forward``); the one
+    on values, that each row's padding is at its end, goes into the tensor."""
+    first = self.layers[0]
+    if (not fastpath or not getattr(self, "use_nested_tensor", False) or first.training
+            or src.dim() != 3 or src_key_padding_mask is None or mask is not None
+            or torch.is_autocast_enabled()):
+        return None
+    weights = (first.self_attn.in_proj_weight, first.self_attn.in_proj_bias,
+               first.self_attn.out_proj.weight, first.self_attn.out_proj.bias,
+               first.norm1.weight, first.norm1.bias, first.norm2.weight, first.norm2.bias,
+               first.linear1.weight, first.linear1.bias, first.linear2.weight,
+               first.linear2.bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (src, *weights)):
+        return None
+    pad = F._canonical_mask(mask=src_key_padding_mask, mask_name="src_key_padding_mask",
+                            other_type=None, other_name="", target_type=src.dtype)
+    keep = pad == 0           # [batch, seq]; a bool mask: True pads, a float one: -inf
+    if getattr(self, "mask_check", True):
+        aligned = (keep[:, 1:] <= keep[:, :-1]).all()  # no kept position after a padded one
+    else:
+        aligned = torch.ones((), dtype=torch.bool)
+    return keep.logical_not() & aligned     # use_nested_tensor implies batch_first

@@ -1,0 +1,185 @@
+"""torch's own modules that take CPU-only paths train and evaluate like plain torch.
+
+On CPU tensors nn.LSTM and nn.GRU call oneDNN, and nn.TransformerEncoder in eval mode
+turns a padding mask into nested tensors: neither lowers to XLA, and the LSTM used to
+fail its trace as "a bug in pathways_torch". A torch.compile'd model used to fail with
+dynamo's error, and importing torch_xla (the client's first trace) swapped torch.nn.GRU
+and clip_grad_norm_ for torch_xla's in the user's own process. Each case is compared
+with plain torch on the CPU, same seed and data: losses and parameters within 1e-5
+(SGD, which does not magnify float rounding as Adam does on near-zero gradients).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pathways_torch as pw
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def s2(cluster8):
+    s = pw.slice((2,), axis_names=("data",))
+    yield s
+    s.release()
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=0)
+        self.rnn = getattr(nn, kind)(16, 24, num_layers=2, batch_first=True,
+                                     bidirectional=True)
+        self.head = nn.Linear(48, 5)
+
+    def forward(self, x):
+        h, _ = self.rnn(self.emb(x))
+        return self.head(h.mean(1))
+
+
+class Encoder(nn.Module):
+    """A text classifier that pools every position, the padded ones too, so the
+    encoder's outputs at padded positions count."""
+
+    def __init__(self, batch_first: bool = True):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(50, 16, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=batch_first)
+        self.enc = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(16))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        e = self.emb(x) if self.batch_first else self.emb(x).transpose(0, 1)
+        h = self.enc(e, src_key_padding_mask=(x == 0))
+        return self.head(h.mean(1 if self.batch_first else 0))
+
+
+class _FloatInput(nn.Module):
+    """Feeds the token batches of these tests to an MLP."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        return self.body(x.float() / 50.0)
+
+
+def _batches(n=3, left_aligned=True):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x = torch.randint(1, 50, (8, 12), generator=g)
+        x[:, -3:] = 0
+        if not left_aligned:
+            x[2, 0] = 0                   # a row padded at its start too
+        out.append((x, torch.randint(0, 5, (8,), generator=g)))
+    return out
+
+
+def _train_both(build, s, compile_=None):
+    torch.manual_seed(0)
+    ref = build()
+    model = copy.deepcopy(ref)
+    data = _batches()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    expected = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    given = compile_(model) if compile_ else model
+    tr = pw.Trainer(given, torch.optim.SGD(given.parameters(), lr=0.1, momentum=0.9),
+                    F.cross_entropy, slice=s)
+    got = [float(tr.step(x, y)) for x, y in data]
+    assert got == pytest.approx(expected, abs=TOL, rel=TOL)
+    assert len({round(v, 6) for v in got}) > 1, "the loss never changed: no update?"
+    return tr, model, ref
+
+
+def _assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for n in pa:
+        torch.testing.assert_close(pa[n], pb[n], atol=TOL, rtol=TOL, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_recurrent_layers_train_like_torch(s2, kind):
+    tr, model, ref = _train_both(lambda: Recurrent(kind), s2)
+    out = copy.deepcopy(model)
+    tr.sync_to(out)
+    _assert_same_parameters(out, ref)
+    ref.eval()
+    x, y = _batches(1)[0]
+    with torch.no_grad():
+        want = F.cross_entropy(ref(x), y).item()
+    assert float(tr.evaluate(x, y)) == pytest.approx(want, abs=TOL)
+
+
+@pytest.mark.parametrize("left_aligned", [True, False], ids=["padded_at_end", "padded_inside"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+def test_transformer_encoder_evaluates_like_torch_fast_path(s2, batch_first, left_aligned):
+    """In eval mode without gradients torch's encoder runs on nested tensors and leaves
+    zeros at padded positions when its layers are batch_first and every row's padding
+    is at its end (otherwise it computes them): evaluate and predict give torch's
+    numbers in every case."""
+    tr, _, ref = _train_both(lambda: Encoder(batch_first), s2)
+    ref.eval()
+    x, y = _batches(1, left_aligned)[0]
+    with torch.no_grad():
+        want_logits = ref(x)
+        want = F.cross_entropy(want_logits, y).item()
+    with torch.enable_grad():
+        slow = ref(x)                  # torch's other path: what the layers compute
+    differs = (slow - want_logits).abs().max().item()
+    assert (differs > 1e-3) == (left_aligned and batch_first), "not the case it says"
+    assert float(tr.evaluate(x, y)) == pytest.approx(want, abs=TOL)
+    torch.testing.assert_close(tr.predict(x).torch(), want_logits, atol=TOL, rtol=TOL)
+
+
+def test_a_compiled_model_trains_like_torch_and_syncs_both_ways(s2):
+    """torch.compile on the whole model and on one block (names gain "_orig_mod."):
+    the Trainer trains what they wrap, and sync_to fills a compiled or a plain copy."""
+    def build():
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5))
+
+    def compile_(m):
+        m.body[0] = torch.compile(m.body[0])
+        return torch.compile(m)
+
+    tr, model, ref = _train_both(lambda: _FloatInput(build()), s2, compile_)
+    for target in (copy.deepcopy(model), _FloatInput(build())):
+        tr.sync_to(target)
+        got = {n.replace("_orig_mod.", ""): p for n, p in target.named_parameters()}
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(got[n], p, atol=TOL, rtol=TOL)
+    with pytest.raises(pw.PathwaysError, match="not the one this Trainer trains"):
+        tr.sync_to(nn.Linear(12, 5))
+    f = torch.compile(lambda t: torch.relu(t) * 2)
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0])
+    assert torch.equal(pw.program(f)(pw.put(x, s2)).torch(), torch.relu(x) * 2)
+
+
+def test_importing_torch_xla_leaves_torch_nn_as_it_was(s2):
+    """The client's first trace imports torch_xla, which replaces torch.nn.GRU and
+    torch.nn.utils.clip_grad_norm_ process-wide; pathways_torch puts torch's back, so
+    a module built after a program is the same as one built before."""
+    import torch.nn.modules.rnn as rnn
+    import torch.nn.utils.clip_grad as clip
+    pw.program(lambda t: t + 1)(pw.put(torch.zeros(2), s2)).torch()
+    assert nn.GRU is rnn.GRU
+    assert nn.utils.clip_grad_norm_ is clip.clip_grad_norm_
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    nn.utils.clip_grad_norm_([p], 1.0, foreach=True)     # torch_xla's refuses foreach
+    assert p.grad.norm().item() == pytest.approx(1.0, abs=1e-5)
