@@ -1,12 +1,14 @@
 """torch's own modules that take CPU-only paths train and evaluate like plain torch.
 
-On CPU tensors nn.LSTM and nn.GRU call oneDNN, and nn.TransformerEncoder in eval mode
-turns a padding mask into nested tensors: neither lowers to XLA, and the LSTM used to
-fail its trace as "a bug in pathways_torch". A torch.compile'd model used to fail with
-dynamo's error, and importing torch_xla (the client's first trace) swapped torch.nn.GRU
-and clip_grad_norm_ for torch_xla's in the user's own process. Each case is compared
-with plain torch on the CPU, same seed and data: losses and parameters within 1e-5
-(SGD, which does not magnify float rounding as Adam does on near-zero gradients).
+On CPU tensors nn.LSTM and nn.GRU call oneDNN, nn.TransformerEncoder in eval mode
+turns a padding mask into nested tensors, nn.Embedding(sparse=True) makes sparse
+gradients and weight_norm has a fused backward: none lowers to XLA (the LSTM used to
+fail its trace as "a bug in pathways_torch"). A torch.compile'd model used to fail
+with dynamo's error, a bfloat16 model under AdamW failed its second step, and
+importing torch_xla (the client's first trace) swapped torch.nn.GRU and
+clip_grad_norm_ for torch_xla's in the user's own process. Each case is compared with
+plain torch on the CPU, same seed and data: losses and parameters within 1e-5 (SGD,
+which does not magnify float rounding as Adam does on near-zero gradients).
 """
 
 from __future__ import annotations
@@ -126,6 +128,29 @@ def test_recurrent_layers_train_like_torch(s2, kind):
     assert float(tr.evaluate(x, y)) == pytest.approx(want, abs=TOL)
 
 
+class Bag(nn.Module):
+    """An embedding with sparse gradients and a weight-normed layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=0, sparse=True)
+        self.fc = nn.utils.parametrizations.weight_norm(nn.Linear(16, 24))
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(self.emb(x).mean(1))))
+
+
+def test_sparse_embedding_and_weight_norm_train_like_torch(s2):
+    """nn.Embedding(sparse=True) is traced with dense gradients (XLA has no sparse
+    tensors; SGD's numbers are the same), and weight_norm's backward, which XLA does
+    not lower, is computed by its formula (lowerings.py)."""
+    tr, model, ref = _train_both(Bag, s2)
+    out = copy.deepcopy(model)
+    tr.sync_to(out)
+    _assert_same_parameters(out, ref)
+
+
 @pytest.mark.parametrize("left_aligned", [True, False], ids=["padded_at_end", "padded_inside"])
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
 def test_transformer_encoder_evaluates_like_torch_fast_path(s2, batch_first, left_aligned):
@@ -183,3 +208,34 @@ def test_importing_torch_xla_leaves_torch_nn_as_it_was(s2):
     p.grad = torch.full((3,), 2.0)
     nn.utils.clip_grad_norm_([p], 1.0, foreach=True)     # torch_xla's refuses foreach
     assert p.grad.norm().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_bfloat16_model_trains_like_torch(s2):
+    """``model.bfloat16()`` under AdamW. torch_xla's addcdiv of bfloat16 values gave a
+    float32 parameter, which the next step refused as the wrong input; values now keep
+    torch's dtypes. Losses and parameters agree within bfloat16's rounding: 2 units in
+    the last place at 1 (2 ** -6), not the float32 tolerance of the other tests."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).bfloat16()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g).bfloat16(), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(4)]
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    expected = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    tr = pw.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), F.cross_entropy,
+                    slice=s2)
+    got = [float(tr.step(x, y)) for x, y in data]
+    assert got == pytest.approx(expected, rel=2 ** -6)
+    out = copy.deepcopy(model)
+    tr.sync_to(out)
+    for (n, a), b in zip(out.named_parameters(), ref.parameters()):
+        assert a.dtype == torch.bfloat16, n
+        torch.testing.assert_close(a, b, atol=2 ** -6, rtol=2 ** -6, msg=lambda m: f"{n}: {m}")
+        assert not torch.equal(a, dict(model.named_parameters())[n]), f"{n} never moved"

@@ -349,6 +349,12 @@ class _Replay(torch.fx.Interpreter):
         value = super().run_node(n)
         if n.op == "get_attr" and isinstance(value, torch.Tensor):
             value = value.to(self.device)
+        traced = n.meta.get("val")
+        if isinstance(value, torch.Tensor) and isinstance(traced, torch.Tensor) \
+                and value.dtype != traced.dtype:
+            # torch_xla's lowering can give another dtype than torch's (in AdamW's
+            # update, addcdiv of bfloat16 values gave float32): keep the traced one
+            value = value.to(traced.dtype)
         return value
 
     def call_function(self, target, args, kwargs):

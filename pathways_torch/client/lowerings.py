@@ -6,7 +6,8 @@ only *look* data-dependent: their output shape is static and a formula of ordina
 computes them. Capture decomposes these while it records the graph, so the program holds
 only ops XLA compiles. The ones here are what mixture-of-experts layers use (Hugging
 Face's default ``grouped_mm`` experts path: ``torch.histc`` to count tokens per expert,
-then a grouped matmul over the rows sorted by expert).
+then a grouped matmul over the rows sorted by expert), and the backward of a
+weight-normed layer.
 
 Example::
 
@@ -66,10 +67,24 @@ def _aten_grouped_mm(input, mat2, offs=None, bias=None, out_dtype=None):
     return out.to(out_dtype) if out_dtype is not None else out
 
 
+def weight_norm_backward(grad_w, v, g, norms, dim: int):
+    """The gradients of ``w = g * v / ||v||`` (norms over every dimension but ``dim``)
+    with respect to ``v`` and ``g``: torch's formula for ``_weight_norm_interface``
+    (nn.utils.parametrizations.weight_norm on a CPU), whose own backward XLA lacks."""
+    dims = [d for d in range(v.dim()) if d != dim]
+    sums = (grad_w * v).sum(dims, keepdim=True)
+    grad_v = (g / norms) * (grad_w - v * (sums / (norms * norms)))
+    return grad_v, sums / norms
+
+
 def table() -> Dict[object, Callable]:
     """The decompositions for the ops that exist in this process (a library's custom
     ops exist once it is imported)."""
-    out: Dict[object, Callable] = {torch.ops.aten.histc.default: histc}
+    aten = torch.ops.aten
+    out: Dict[object, Callable] = {
+        aten.histc.default: histc,
+        aten._weight_norm_interface_backward.default: weight_norm_backward,
+    }
     if hasattr(torch.ops.aten, "_grouped_mm"):
         out[torch.ops.aten._grouped_mm.default] = _aten_grouped_mm
     try:

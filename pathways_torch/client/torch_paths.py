@@ -12,6 +12,9 @@ a CPU, some of which XLA cannot lower:
   nested tensors change: the encoder's outputs at padded positions are zeros when
   torch takes that path (a data-dependent choice: only when every row's padding is at
   its end). ``_encoder_forward`` computes exactly that with ``torch.where``.
+- **Sparse gradients.** ``nn.Embedding(sparse=True)`` (and ``embedding_bag``) make
+  sparse gradients, which XLA has no tensors for. They are traced dense: the same
+  numbers with every optimizer that accepts sparse ones (SGD, Adagrad).
 - **torch.compile.** A compiled module or function inside a program would run dynamo
   inside the trace; XLA compiles the whole program, so they run as the code they wrap
   (``torch.compiler.set_stance("force_eager")``).
@@ -45,16 +48,36 @@ def traceable() -> Iterator[None]:
         return _encoder_forward(original, fastpath, self, src, mask, src_key_padding_mask,
                                 is_causal)
 
+    embedding, embedding_bag = F.embedding, F.embedding_bag
+
+    def dense_embedding(*args, **kwargs):
+        return embedding(*_not_sparse(embedding, args, kwargs))
+
+    def dense_embedding_bag(*args, **kwargs):
+        return embedding_bag(*_not_sparse(embedding_bag, args, kwargs))
+
     with tc.set_stance("force_eager"):
         torch._C._set_mkldnn_enabled(False)
         torch.backends.mha.set_fastpath_enabled(False)
         encoder.forward = forward
+        F.embedding, F.embedding_bag = dense_embedding, dense_embedding_bag
         try:
             yield
         finally:
+            F.embedding, F.embedding_bag = embedding, embedding_bag
             encoder.forward = original
             torch.backends.mha.set_fastpath_enabled(fastpath)
             torch._C._set_mkldnn_enabled(mkldnn)
+
+
+def _not_sparse(fn, args, kwargs):
+    """``args`` of ``fn`` (F.embedding or F.embedding_bag) with ``sparse=False``, all
+    given by position."""
+    import inspect
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.arguments["sparse"] = False
+    bound.apply_defaults()
+    return list(bound.arguments.values())
 
 
 def _encoder_forward(original, fastpath: bool, self, src, mask, src_key_padding_mask,
