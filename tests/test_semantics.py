@@ -148,6 +148,30 @@ def test_a_sharded_draw_is_the_unsharded_draw(s4):
     assert all(not torch.equal(rows[0], r) for r in rows[1:])
 
 
+@pytest.mark.parametrize("device", ["cpu", "xla"])
+def test_a_call_under_autocast_is_traced_under_it(s4, device):
+    """torch.autocast around a program call applies as around torch code: matmuls in
+    bfloat16. "xla" is the device a torch_xla script names; the trace runs on CPU
+    tensors, so it is applied as CPU autocast. The same program outside autocast stays
+    float32 (the state is part of the cache key)."""
+    @pw.program
+    def layer(x, w):
+        return torch.relu(x @ w)
+
+    x, w = torch.randn(8, 16), torch.randn(16, 4)
+    xa, wa = pw.put(x, s4), pw.put(w, s4)
+    assert layer(xa, wa).dtype == torch.float32
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = layer(xa, wa)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.relu(x @ w)
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out.torch(), want, atol=1e-2, rtol=1e-2)
+    again = layer(xa, wa)
+    assert again.dtype == torch.float32
+    torch.testing.assert_close(again.torch(), torch.relu(x @ w), atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------- mutation
 
 def test_in_place_updates_of_inputs_are_written_back(s4):

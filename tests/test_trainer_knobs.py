@@ -368,6 +368,35 @@ def test_bf16_equals_torch_autocast(s2):
                                atol=BF16_RTOL)
 
 
+def test_steps_inside_the_users_own_autocast_equal_torch(s2):
+    """``with torch.autocast(...): trainer.step(x, y)``, on every other step, as a user
+    of plain torch writes it around the forward: those steps run in bfloat16 as torch's
+    do and the others in float32 (the autocast state is part of a program's key; before,
+    the first program traced was reused whatever the context)."""
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    model, data = mlp(), batches(4, seed=7)
+    ref = copy.deepcopy(model)
+    opt, want = make_opt(ref.parameters()), []
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i % 2 == 1):
+            loss = F.cross_entropy(ref(x), y)
+        loss.float().backward()
+        opt.step()
+        want.append(loss.item())
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, slice=s2)
+    got = []
+    for i, (x, y) in enumerate(data):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i % 2 == 1):
+            got.append(float(tr.step(x, y)))
+    assert_losses(got, want, rtol=BF16_RTOL, atol=0)
+    assert got[0] == pytest.approx(want[0], rel=1e-6)       # the float32 step is exact
+    # the bfloat16 steps are not float32 ones: torch's fp32 loss differs from both
+    ref32 = copy.deepcopy(model)
+    fp32, _ = torch_train(ref32, make_opt(ref32.parameters()), data)
+    assert abs(got[1] - fp32[1]) > 1e-4 and abs(want[1] - fp32[1]) > 1e-4
+
+
 # ---------------------------------------------------------------------- 6. evaluate, predict
 
 def bn_dropout_model(seed=0):

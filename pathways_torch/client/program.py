@@ -37,7 +37,7 @@ from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, spec_from_proto, spec_to_proto, validate_spec
 from . import graph as graph_mod
-from . import runtime
+from . import runtime, torch_paths
 from .array import Array, put, wait
 from .capture import TENSOR, Traced, trace
 
@@ -87,6 +87,7 @@ class _Fast:
 
 
 _MISS = object()
+_any_autocast = torch._C._is_any_autocast_enabled
 _MAX_FAST = 4096        # remembered signatures per program and table
 
 
@@ -194,6 +195,8 @@ class Program:
         return out
 
     def _call(self, args, kwargs):
+        if _any_autocast():             # traced and keyed with the autocast state
+            return self._slow_call(args, kwargs)
         if self._fast and not kwargs:
             out = self._fast_call(args)
             if out is not _MISS:
@@ -292,7 +295,8 @@ class Program:
                     f"program '{self.name}': argument of type {type(leaf).__name__} is "
                     "neither a tensor/pw.Array nor a static Python value (int, float, bool, "
                     "str, None, torch.dtype); pass tensors, or pytrees of them")
-        key = (repr(tree), tuple(key_parts))
+        autocast = torch_paths.autocast_state()
+        key = (repr(tree), tuple(key_parts), autocast)
         traced = self._traces.get(key)
         if traced is None:
             t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
@@ -340,7 +344,8 @@ class Program:
         # Keyed before the call (writing updates back may change the inputs' specs), and
         # not when an input passed twice kept its donation from this call.
         fast = (self._fast_key(args, kwargs, [leaves[i] for i in dyn_pos], slice_)
-                if state.dispatch != "sequential" and len(donate) == wanted else None)
+                if state.dispatch != "sequential" and len(donate) == wanted
+                and not autocast else None)
         conn = slice_._conn
         out_ids = [conn.new_id() for _ in traced.out_avals]
         seq = conn.send(pb.Op(execute=pb.ExecuteOp(

@@ -15,6 +15,11 @@ a CPU, some of which XLA cannot lower:
 - **Sparse gradients.** ``nn.Embedding(sparse=True)`` (and ``embedding_bag``) make
   sparse gradients, which XLA has no tensors for. They are traced dense: the same
   numbers with every optimizer that accepts sparse ones (SGD, Adagrad).
+- **Autocast on the device.** A call under ``torch.autocast("xla")`` (or "cuda", the
+  device a user's script was written for) is traced under CPU autocast with the same
+  dtype: the fake tensors are CPU tensors, which only a CPU autocast would cast.
+  ``autocast_state()`` is part of a program's cache key, so the same program called
+  with and without autocast is two programs, as in torch.
 - **torch.compile.** A compiled module or function inside a program would run dynamo
   inside the trace; XLA compiles the whole program, so they run as the code they wrap
   (``torch.compiler.set_stance("force_eager")``).
@@ -32,6 +37,18 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+
+
+_AUTOCAST_DEVICES = ("cpu", "xla", "cuda")
+
+
+def autocast_state() -> tuple:
+    """The enabled ``torch.autocast`` contexts of this thread, as (device, dtype)
+    pairs: () when none is, the common case."""
+    if not torch._C._is_any_autocast_enabled():
+        return ()
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(d))
 
 
 @contextlib.contextmanager
@@ -56,7 +73,11 @@ def traceable() -> Iterator[None]:
     def dense_embedding_bag(*args, **kwargs):
         return embedding_bag(*_not_sparse(embedding_bag, args, kwargs))
 
-    with tc.set_stance("force_eager"):
+    device_autocast = [dt for d, dt in autocast_state() if d != "cpu"]
+    cpu_autocast = (torch.autocast("cpu", dtype=device_autocast[0])
+                    if device_autocast and not torch.is_autocast_enabled("cpu")
+                    else contextlib.nullcontext())
+    with tc.set_stance("force_eager"), cpu_autocast:
         torch._C._set_mkldnn_enabled(False)
         torch.backends.mha.set_fastpath_enabled(False)
         encoder.forward = forward
