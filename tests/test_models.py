@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import pathways_torch as pw
-from zoo import MODELS, TokenStream, convnext, gpt2, image_batch, torch_step
+from zoo import (MODELS, TokenStream, bert, bert_batch, convnext, encoding_collate, gpt2,
+                 image_batch, torch_step)
 
 TOL = 1e-4
 STEPS = 3
@@ -126,3 +127,40 @@ def test_a_hugging_face_model_fits_on_a_stream_of_dict_samples_loaded_on_the_hos
     got = tr.fit(loader, progress=False)
     assert len(got) == 6
     assert list(got) == pytest.approx(expected, abs=TOL, rel=TOL), (got, expected)
+
+
+def test_batches_as_hugging_face_batch_encodings(s2):
+    """Tokenizers and data collators return a BatchEncoding (a UserDict, which torch's
+    pytree takes for one opaque leaf): step, evaluate and predict take it as
+    ``model(**batch)`` does (it was refused as "neither a tensor nor a static value"),
+    and so does a pw.DataLoader whose collate_fn returns one."""
+    from transformers import BatchEncoding
+    torch.manual_seed(0)
+    model = bert()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batch = bert_batch(g)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    loss = ref(**batch).loss
+    loss.backward()
+    opt.step()
+    tr = pw.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), None, slice=s2)
+    assert float(tr.step(BatchEncoding(batch))) == pytest.approx(loss.item(), abs=TOL)
+    ref.eval()
+    with torch.no_grad():
+        want = ref(**batch)
+    assert float(tr.evaluate(BatchEncoding(batch))) == pytest.approx(want.loss.item(),
+                                                                     abs=TOL)
+    torch.testing.assert_close(tr.predict(BatchEncoding(batch)).logits.torch(),
+                               want.logits, atol=TOL, rtol=TOL)
+    loader = pw.DataLoader("zoo:token_stream", dataset_kwargs={"n": 8}, batch_size=4,
+                           slice=s2, collate_fn="zoo:encoding_collate")
+    expected = torch.utils.data.DataLoader(TokenStream(n=8), batch_size=4,
+                                           collate_fn=encoding_collate)
+    n = 0
+    for got, want_b in zip(loader, expected):
+        assert set(got) == set(want_b)
+        for k in want_b:
+            assert torch.equal(got[k].torch(), want_b[k]), k
+        n += 1
+    assert n == 2

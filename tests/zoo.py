@@ -151,3 +151,10 @@ class TokenStream(torch.utils.data.IterableDataset):
 
 def token_stream(**kw):
     return TokenStream(**kw)
+
+
+def encoding_collate(samples):
+    """torch's default collate, returned as a Hugging Face ``BatchEncoding`` (what its
+    data collators return: a UserDict, not a dict)."""
+    from transformers import BatchEncoding
+    return BatchEncoding(torch.utils.data.default_collate(samples))

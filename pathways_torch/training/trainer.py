@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .._trees import plain_batch
 from ..client.array import Array, put
 from ..client.checkpoint import load_arrays, save_arrays
 from ..client.program import Program
@@ -210,6 +211,7 @@ class Trainer:
         With ``accumulate=k``, each call is a micro-step whose loss it returns; the
         optimizer update (and the scheduler's step) happens on every k-th call.
         """
+        inputs, targets = plain_batch(inputs), plain_batch(targets)
         hyper, lrs = self._hyper()
         if isinstance(self.parallelism, Pipeline):
             loss = pipeline_step(self, inputs, targets, lrs, hyper)
@@ -239,6 +241,7 @@ class Trainer:
     def evaluate(self, inputs: Any, targets: Any = None) -> Array:
         """The loss on a batch in eval mode (no dropout, BatchNorm's running
         statistics, no gradients, no update), as a ``pw.Array`` at once."""
+        inputs, targets = plain_batch(inputs), plain_batch(targets)
         if isinstance(self.parallelism, Pipeline):
             return pipeline_eval(self, inputs, targets)
         s, axis = self.slices[0], getattr(self.parallelism, "batch_axis", None)
@@ -250,6 +253,7 @@ class Trainer:
     def predict(self, inputs: Any) -> Any:
         """The model's outputs on a batch in eval mode, as ``pw.Array``s in the
         model's output structure (a tensor, a tuple, a dict, a ModelOutput)."""
+        inputs = plain_batch(inputs)
         if isinstance(self.parallelism, Pipeline):
             return pipeline_eval(self, inputs, None, outputs=True)
         s, axis = self.slices[0], getattr(self.parallelism, "batch_axis", None)

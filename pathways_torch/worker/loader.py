@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
+from .._trees import plain_batch
 from ..rpc import codec
 
 log = logging.getLogger("pathways.loader")
@@ -389,6 +390,7 @@ class HostLoader:
 
     def _place_stream(self, epoch: int, index: int, batch) -> _Batch:
         """This host's rows of a whole batch of the stream, on the devices."""
+        batch = plain_batch(batch)
         try:
             check_leaves(batch, epoch, index)
         except LoaderError as e:
@@ -514,7 +516,7 @@ def collate_checked(collate, samples: list, where: str, epoch: int, index: int):
     """``collate(samples)``, a batch whose every leaf has the samples along dimension 0;
     a LoaderError that says which batch and why not."""
     try:
-        batch = collate(samples)
+        batch = plain_batch(collate(samples))
     except Exception as e:
         raise LoaderError(f"collating batch {index} of epoch {epoch} on {where} "
                           f"failed: {type(e).__name__}: {e}") from None
