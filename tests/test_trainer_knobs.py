@@ -397,6 +397,61 @@ def test_steps_inside_the_users_own_autocast_equal_torch(s2):
     assert abs(got[1] - fp32[1]) > 1e-4 and abs(want[1] - fp32[1]) > 1e-4
 
 
+@pytest.mark.parametrize("strat", ["dp", "pipeline"])
+def test_freezing_and_unfreezing_between_steps_equals_torch(s2, pipe_slices, strat):
+    """Gradual unfreezing, as fine-tuning scripts do it: requires_grad changed between
+    steps. torch's AdamW skips a frozen parameter (no gradient) and keeps its state;
+    unfrozen for the first time, it starts from fresh state. The Trainer used to keep
+    the set it was built with, silently."""
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    model, data = mlp(), batches(6, seed=8)
+    ref = copy.deepcopy(model)
+    # step 0-1: first layer frozen; 2-3: all trained; 4: last layer frozen; 5: all again
+    plan = {0: ("0", False), 2: ("0", True), 4: ("4", False), 5: ("4", True)}
+
+    def apply(m, i):
+        if i in plan:
+            layer, flag = plan[i]
+            m.get_submodule(layer).weight.requires_grad_(flag)
+
+    opt, want = make_opt(ref.parameters()), []
+    for i, (x, y) in enumerate(data):
+        apply(ref, i)
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    if strat == "dp":
+        kw = dict(slice=s2)
+    else:
+        kw = dict(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
+    apply(model, 0)
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, **kw)
+    got = []
+    for i, (x, y) in enumerate(data):
+        apply(model, i)
+        got.append(float(tr.step(x, y)))
+    assert_losses(got, want, rtol=1e-5, atol=1e-6)
+    trained = tr.sync_to(copy.deepcopy(model))
+    for (n, a), b in zip(trained.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_requires_grad_changed_inside_an_accumulation_is_refused(s2):
+    model = mlp()
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                    slice=s2, accumulate=2)
+    (x, y), = batches(1)
+    tr.step(x, y)
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(pw.PathwaysError, match="after the update"):
+        tr.step(x, y)
+    model[0].weight.requires_grad_(True)
+    float(tr.step(x, y))          # the accumulation goes on as before
+
+
 # ---------------------------------------------------------------------- 6. evaluate, predict
 
 def bn_dropout_model(seed=0):

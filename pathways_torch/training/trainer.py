@@ -93,8 +93,11 @@ class Trainer:
                                 "give it the whole batch")
         ids = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         named = dict(model.named_parameters())
-        self._group_of = {n: ids[id(p)] for n, p in named.items()
-                          if p.requires_grad and id(p) in ids}
+        # the optimizer's parameters, of which those that require grad are trained (as
+        # in torch, at every step: a change of requires_grad is followed, see step)
+        self._held = {n: p for n, p in named.items() if id(p) in ids}
+        self._group_of = {n: ids[id(p)] for n, p in self._held.items() if p.requires_grad}
+        self._flags = tuple(p.requires_grad for p in self._held.values())
         if not self._group_of:
             raise PathwaysError(
                 "the optimizer holds none of the model's parameters: build it from "
@@ -112,8 +115,10 @@ class Trainer:
         self.states: List[Dict[str, Dict[str, Array]]] = []
         self.fixed: List[Dict[str, Array]] = []
         self.acc: List[Dict[str, Array]] = []        # accumulated gradients (accumulate > 1)
+        self._parked: List[Dict[str, Dict[str, Array]]] = []  # state of frozen parameters
         initial = self._initial_states(named)
         for home_of in homes:
+            self._parked.append({})
             self.replicas.append({n: put(named[n].detach(), home_of(n), self.param_specs[n])
                                   for n in self._group_of})
             self.fixed.append({n: put(t.detach(), home_of(n), self.param_specs[n])
@@ -179,6 +184,64 @@ class Trainer:
                            if isinstance(v, torch.Tensor)} if existing else st)
         return out
 
+    def _follow_requires_grad(self) -> None:
+        """Train what requires grad now, as torch's optimizer does at each step (a
+        frozen parameter has no gradient, so it skips it): a parameter frozen since the
+        last step keeps its value and its optimizer state, parked; one unfrozen takes
+        its parked state, or the state torch's first step would create."""
+        flags = tuple(p.requires_grad for p in self._held.values())
+        if flags == self._flags:
+            return
+        now = [n for n, p in self._held.items() if p.requires_grad]
+        if self.micro:
+            raise PathwaysError(
+                f"requires_grad changed after {self.micro} of the {self.options.accumulate}"
+                " step calls of an accumulation; change it after the update (the "
+                f"{self.options.accumulate}-th call)")
+        if not now:
+            raise PathwaysError("no parameter of the optimizer requires grad any more: "
+                                "use trainer.evaluate / predict, or unfreeze one")
+        before = set(self._group_of)
+        on = [n for n in now if n not in before]
+        off = [n for n in self._group_of if n not in set(now)]
+        ids = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups)
+               for p in g["params"]}
+        self._group_of = {n: ids[id(self._held[n])] for n in now}
+        first: Dict[str, Dict[str, torch.Tensor]] = {}
+        for r, home_of in enumerate(self._homes):
+            for n in off:
+                self.fixed[r][n] = self.replicas[r].pop(n)
+                self._parked[r][n] = self.states[r].pop(n)
+                self.acc[r].pop(n, None)
+            for n in on:
+                self.replicas[r][n] = self.fixed[r].pop(n)
+                st = self._parked[r].pop(n, None)
+                if st is None:
+                    if n not in first:
+                        first[n] = self._initial_state(n)
+                    st = {k: put(t, home_of(n), self._state_spec(n, t))
+                          for k, t in first[n].items()}
+                self.states[r][n] = st
+                if self.options.accumulate > 1:
+                    p = self._held[n]
+                    self.acc[r][n] = put(torch.zeros(p.shape, dtype=p.dtype), home_of(n),
+                                         self.param_specs[n])
+            self.replicas[r] = {n: self.replicas[r][n] for n in now}
+            self.states[r] = {n: self.states[r][n] for n in now}
+        self._groups = [[n for n in now if self._group_of[n] == gi]
+                        for gi in range(len(self.optimizer.param_groups))]
+        self._flags = flags
+        self._programs.clear()          # their update names the trained parameters
+
+    def _initial_state(self, name: str) -> Dict[str, torch.Tensor]:
+        """What torch's optimizer holds for ``name``, or what its first step creates."""
+        p = self._held[name]
+        existing = self.optimizer.state.get(p, {})
+        if existing:
+            return {k: v.detach().clone() for k, v in existing.items()
+                    if isinstance(v, torch.Tensor)}
+        return fopt.initial_state(self.opt, self._group_of[name], [p])[0]
+
     @property
     def params(self) -> Dict[str, Array]:
         """The trained parameters (of the first replica), as Arrays."""
@@ -212,6 +275,7 @@ class Trainer:
         optimizer update (and the scheduler's step) happens on every k-th call.
         """
         inputs, targets = plain_batch(inputs), plain_batch(targets)
+        self._follow_requires_grad()
         hyper, lrs = self._hyper()
         if isinstance(self.parallelism, Pipeline):
             loss = pipeline_step(self, inputs, targets, lrs, hyper)
@@ -266,8 +330,8 @@ class Trainer:
         return {
             "model": {**{n: a.torch() for n, a in self.replicas[0].items()},
                       **{n: a.torch() for n, a in self.fixed[0].items()}},
-            "optim": {n: {k: a.torch() for k, a in st.items()}
-                      for n, st in self.states[0].items()},
+            "optim": {n: {k: a.torch() for k, a in st.items()}      # frozen ones too
+                      for n, st in {**self._parked[0], **self.states[0]}.items()},
             "steps": torch.tensor(self.steps),
             "rng": self._rng_tensor(),
         }
