@@ -439,6 +439,52 @@ def test_freezing_and_unfreezing_between_steps_equals_torch(s2, pipe_slices, str
                                    msg=lambda m, n=n: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("strat", ["dp", "pipeline"])
+def test_gradient_hooks_on_parameters_run_as_in_torch(s2, pipe_slices, strat):
+    """``p.register_hook`` (a gradient scaled or clamped) changes the update as in
+    torch; one registered after a step applies from the next step. They used to be
+    dropped: the step traces other tensors than the module's parameters. A pipeline
+    runs a hook on each micro-batch's gradient, as torch's gradient accumulation does,
+    so it gets a linear one here (a clamp of the parts is not a clamp of the sum)."""
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)
+    model, data = mlp(), batches(4, seed=9)
+    ref = copy.deepcopy(model)
+
+    def hook(m, i):
+        if i == 0:
+            m[0].weight.register_hook(lambda g: g * 0.25)
+        if i == 2:
+            m[4].bias.register_hook((lambda g: g.clamp(-0.01, 0.01)) if strat == "dp"
+                                    else (lambda g: g * 3.0))
+
+    opt, want = make_opt(ref.parameters()), []
+    for i, (x, y) in enumerate(data):
+        hook(ref, i)
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    hook(model, 0)
+    kw = dict(slice=s2) if strat == "dp" else dict(
+        parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, **kw)
+    got = []
+    for i, (x, y) in enumerate(data):
+        if i:
+            hook(model, i)
+        got.append(float(tr.step(x, y)))
+    assert_losses(got, want, rtol=1e-5, atol=1e-6)
+    trained = tr.sync_to(copy.deepcopy(model))
+    for (n, a), b in zip(trained.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+    plain = mlp()
+    plain[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(pw.TraceError, match="register_post_accumulate_grad_hook"):
+        pw.Trainer(plain, make_opt(plain.parameters()), F.cross_entropy, **kw).step(*data[0])
+
+
 def test_requires_grad_changed_inside_an_accumulation_is_refused(s2):
     model = mlp()
     tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,

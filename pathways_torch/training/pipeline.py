@@ -17,8 +17,8 @@ from ..client.graph import graph
 from ..errors import PathwaysError
 from ..parallel.strategies import Pipeline
 from .batches import _place_batch, _split
-from .programs import (clip_coef, grad_square_sum, loss_of, make_apply_fn, mode,
-                       reparametrized)
+from .programs import (clip_coef, grad_hooks, grad_square_sum, loss_of, make_apply_fn,
+                       mode, reparametrized, requires_grad)
 
 
 def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
@@ -33,10 +33,10 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
              for _, names in stages]
     fwd = [trainer._program(f"stage{k}_fwd", _make_stage_fwd(mod, k == 0))
            for k, (mod, _) in enumerate(stages)]
-    bwd = [trainer._program(f"stage{k}_bwd", _make_stage_bwd(mod, k == 0))
+    bwd = [trainer._program(f"stage{k}_bwd", _make_stage_bwd(mod, k == 0, trainer.model))
            for k, (mod, _) in enumerate(stages[:-1])]
     last_bwd = trainer._program("last_bwd", _make_last_bwd(stages[-1][0], trainer.loss_fn, m,
-                                                           last == 0))
+                                                           last == 0, trainer.model))
     apply_prog = trainer._program("apply", make_apply_fn(trainer.opt, trainer._groups,
                                                          trainer.options))
     mean_prog = trainer._program("mean", lambda ls: torch.stack(ls).sum() / len(ls))
@@ -177,12 +177,13 @@ def _accumulate(acc, names, grads):
     return {n: (acc[n] + g if n in acc else g) for n, g in zip(names, grads)}
 
 
-def _make_stage_bwd(mod, first: bool):
+def _make_stage_bwd(mod, first: bool, model):
     """Backpropagate ``gy`` through the stage with the forward's saved tensors;
     accumulate the parameters' gradients."""
     def stage_bwd(params, fixed, x, saved, gy, acc):
         names = list(params)
-        leaves = [params[n].requires_grad_() for n in names]
+        requires_grad(params, grad_hooks(model))
+        leaves = [params[n] for n in names]
         if not first:
             x = x.requires_grad_()
         # the forward program updated the buffers already (BatchNorm): not twice
@@ -197,11 +198,12 @@ def _make_stage_bwd(mod, first: bool):
     return stage_bwd
 
 
-def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool):
+def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool, model):
     """The last stage: forward, loss / microbatches, backward; accumulate grads."""
     def last_bwd(params, fixed, x, targets, acc):
         names = list(params)
-        leaves = [params[n].requires_grad_() for n in names]
+        requires_grad(params, grad_hooks(model))
+        leaves = [params[n] for n in names]
         if not first:
             x = x.requires_grad_()
         wrt = leaves if first else [x] + leaves

@@ -164,9 +164,29 @@ def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, param
     return created
 
 
-def _requires_grad(params):
-    for t in params.values():
+def grad_hooks(model: torch.nn.Module) -> Dict[str, list]:
+    """The hooks registered on the model's parameters with ``register_hook`` (gradient
+    scaling or clamping), by name: a step registers them on the traced parameters, so
+    they change the gradients as in torch. Hooks run after ``.grad`` accumulates have
+    no place in a program that takes gradients with ``autograd.grad``: refused."""
+    hooks = {}
+    for n, p in model.named_parameters():
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            raise TraceError(
+                f"parameter {n!r} has a register_post_accumulate_grad_hook, which "
+                "pw.Trainer cannot run (its step computes gradients, never .grad); "
+                "use register_hook, which it runs, or remove the hook")
+        if p._backward_hooks:
+            hooks[n] = list(p._backward_hooks.values())
+    return hooks
+
+
+def requires_grad(params: Dict[str, torch.Tensor], hooks: Dict[str, list]) -> None:
+    """The traced parameters as leaves of the backward, with the user's hooks."""
+    for n, t in params.items():
         t.requires_grad_()
+        for h in hooks.get(n, ()):
+            t.register_hook(h)
 
 
 # ---------------------------------------------------------------------- programs
@@ -178,7 +198,7 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
     k = options.accumulate
 
     def train_step(params, fixed, states, acc, lrs, inputs, targets, hyper):
-        _requires_grad(params)
+        requires_grad(params, grad_hooks(model))
         with mode(model, True), reparametrized(model, {**params, **fixed}):
             loss = forward_loss(model, loss_fn, options, inputs, targets)
             grads = gradients(loss, params)
@@ -202,7 +222,7 @@ def make_grad_fn(model, loss_fn, options: Options, flat: bool = False):
     """Forward and backward only: the gradients (one flat buffer with ``flat``, which
     travels between islands as one transfer) and the loss."""
     def grads(params, fixed, inputs, targets):
-        _requires_grad(params)
+        requires_grad(params, grad_hooks(model))
         with mode(model, True), reparametrized(model, {**params, **fixed}):
             loss = forward_loss(model, loss_fn, options, inputs, targets)
             gs = gradients(loss, params)

@@ -97,7 +97,7 @@ class Trainer:
         # in torch, at every step: a change of requires_grad is followed, see step)
         self._held = {n: p for n, p in named.items() if id(p) in ids}
         self._group_of = {n: ids[id(p)] for n, p in self._held.items() if p.requires_grad}
-        self._flags = tuple(p.requires_grad for p in self._held.values())
+        self._flags = _flags(self._held)
         if not self._group_of:
             raise PathwaysError(
                 "the optimizer holds none of the model's parameters: build it from "
@@ -189,8 +189,12 @@ class Trainer:
         frozen parameter has no gradient, so it skips it): a parameter frozen since the
         last step keeps its value and its optimizer state, parked; one unfrozen takes
         its parked state, or the state torch's first step would create."""
-        flags = tuple(p.requires_grad for p in self._held.values())
+        flags = _flags(self._held)
         if flags == self._flags:
+            return
+        if [f[0] for f in flags] == [f[0] for f in self._flags]:
+            self._flags = flags         # only the gradient hooks changed: trace again
+            self._programs.clear()
             return
         now = [n for n, p in self._held.items() if p.requires_grad]
         if self.micro:
@@ -550,6 +554,12 @@ class Trainer:
                            on_step=on_step, wait_timeout=wait_timeout,
                            keep_checkpoints=keep_checkpoints, progress=progress,
                            resume=resume)
+
+
+def _flags(held: Dict[str, torch.Tensor]) -> tuple:
+    """What decides a step program besides shapes: which parameters require grad, and
+    the gradient hooks registered on them."""
+    return tuple((p.requires_grad, tuple(p._backward_hooks or ())) for p in held.values())
 
 
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
