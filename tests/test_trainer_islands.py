@@ -42,3 +42,38 @@ def test_pipeline_across_islands(islands):
                     parallelism=pw.Pipeline(2, 4, islands))
     assert_losses_match([float(tr.step(x, y)) for x, y in data],
                         torch_losses(ref, make_opt, data))
+
+
+def test_multi_island_follows_requires_grad_between_steps(islands):
+    """Layers frozen and unfrozen between steps (AdamW keeps a frozen parameter's
+    state): both replicas train what torch trains, and stay identical."""
+    model, data = deep_model(2), make_data(5, batch=8, seed=9)
+    ref = copy.deepcopy(model)
+    first = next(iter(dict(model.named_parameters())))
+    plan = {0: False, 2: True, 3: False}
+
+    def apply(m, i):
+        if i in plan:
+            dict(m.named_parameters())[first].requires_grad_(plan[i])
+
+    make_opt = OPTIMIZERS["adamw"]
+    opt, want = make_opt(ref.parameters()), []
+    for i, (x, y) in enumerate(data):
+        apply(ref, i)
+        opt.zero_grad()
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    apply(model, 0)
+    tr = pw.Trainer(model, make_opt(model.parameters()), loss_fn,
+                    parallelism=pw.MultiIsland(islands, axis="data"))
+    got = []
+    for i, (x, y) in enumerate(data):
+        apply(model, i)
+        got.append(float(tr.step(x, y)))
+    assert_losses_match(got, want)
+    for r0, r1 in ((tr.replicas[0], tr.replicas[1]), (tr.fixed[0], tr.fixed[1])):
+        assert r0.keys() == r1.keys()
+        for n in r0:
+            assert torch.equal(r0[n].torch(), r1[n].torch()), n
