@@ -210,6 +210,28 @@ def test_importing_torch_xla_leaves_torch_nn_as_it_was(s2):
     assert p.grad.norm().item() == pytest.approx(1.0, abs=1e-5)
 
 
+def test_adaptive_pooling_to_sizes_that_do_not_divide_trains_like_torch(s2):
+    """VGG's AdaptiveAvgPool2d((7, 7)) on small images, and an adaptive max pooling
+    from 12x12 to 5x7: torch_xla runs those on the CPU, which aborted the client; they
+    are computed from torch's windows (torch_paths.py)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.pool = nn.Sequential(nn.AdaptiveMaxPool2d((5, 7)), nn.AdaptiveAvgPool2d(3),
+                                      nn.AdaptiveAvgPool2d((7, 7)))
+            self.head = nn.Linear(4 * 49, 5)
+
+        def forward(self, x):
+            x = x.float().reshape(-1, 1, 12, 1).expand(-1, 3, 12, 12) / 50.0
+            return self.head(self.pool(torch.tanh(self.conv(x))).flatten(1))
+
+    tr, model, ref = _train_both(Net, s2)
+    out = copy.deepcopy(model)
+    tr.sync_to(out)
+    _assert_same_parameters(out, ref)
+
+
 def test_a_bfloat16_model_trains_like_torch(s2):
     """``model.bfloat16()`` under AdamW. torch_xla's addcdiv of bfloat16 values gave a
     float32 parameter, which the next step refused as the wrong input; values now keep

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -129,14 +130,34 @@ _SHAPE_WORDS = ("shape", "size", "dimension", "dtype", "expected", "got torch.",
 _DECOMPS = None
 
 
+@functools.lru_cache(maxsize=None)
 def _has_xla_kernel(op) -> bool:
+    """Whether torch_xla runs ``op`` as XLA (else its CPU fallback reads the values).
+    A composite kernel counts unless it computes through an ``out=`` variant of its
+    own that XLA lacks (``median(dim)`` calls ``median.dim_values``): that one falls
+    back, and on a placeholder the process aborts."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     name = op.name()
     try:
-        return (has(name, "XLA") or has(name, "CompositeExplicitAutograd")
-                or has(name, "CompositeImplicitAutograd"))
+        if has(name, "XLA") or has(name, "CompositeImplicitAutograd"):
+            return True
+        if not has(name, "CompositeExplicitAutograd"):
+            return False
     except RuntimeError:            # an overload the dispatcher does not know
         return False
+    packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1], None)
+    for overload in (packet.overloads() if packet is not None else ()):
+        other = getattr(packet, overload)
+        full = other._schema.name + (f".{other._schema.overload_name}"
+                                     if other._schema.overload_name else "")
+        try:
+            if other._schema.is_mutable and not any(
+                    has(full, k) for k in ("XLA", "CompositeExplicitAutograd",
+                                           "CompositeImplicitAutograd")):
+                return False
+        except RuntimeError:
+            continue
+    return True
 
 
 def _decompositions() -> Dict:
@@ -334,6 +355,32 @@ def _check_ops(gm, name: str) -> None:
             raise _data_dependent(
                 name, f"{short} has no XLA lowering: torch_xla would run it on the CPU, "
                       "reading the values")
+        if node.op == "call_function" and op in _adaptive_pools():
+            _check_adaptive(node, name)
+
+
+def _adaptive_pools() -> set:
+    a = torch.ops.aten
+    return {a._adaptive_avg_pool2d.default, a._adaptive_avg_pool3d.default,
+            a.adaptive_max_pool2d.default, a.adaptive_max_pool3d.default}
+
+
+def _check_adaptive(node, name: str) -> None:
+    """torch_xla lowers an adaptive pooling only when the output size divides the
+    input's; otherwise it runs it on the CPU (the 2-d ones are rewritten before this,
+    torch_paths.py): refused with what to do instead of killing the process."""
+    x, out = node.args[0].meta.get("val"), node.meta.get("val")
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    if x is None or out is None:
+        return
+    k = len(node.args[1])
+    ins, outs = tuple(x.shape[-k:]), tuple(out.shape[-k:])
+    if any(i % o for i, o in zip(ins, outs)):
+        raise TraceError(
+            f"program '{name}' pools {list(ins)} to {list(outs)} with "
+            f"{node.target.name().replace('aten::', 'torch.')}, which XLA runs only when "
+            "the output size divides the input's: choose such a size (or a 2-d adaptive "
+            "pooling without return_indices, which pathways_torch rewrites)")
 
 
 class _Replay(torch.fx.Interpreter):
@@ -401,6 +448,8 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         try:
             with torch.no_grad():
                 outs = _Replay(gm, dev).run(*placeholders)
+        except PathwaysError:
+            raise
         except Exception as e:
             if "access XLA data" in str(e):
                 raise _data_dependent(name, "an op that reads values") from e

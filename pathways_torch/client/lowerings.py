@@ -6,8 +6,8 @@ only *look* data-dependent: their output shape is static and a formula of ordina
 computes them. Capture decomposes these while it records the graph, so the program holds
 only ops XLA compiles. The ones here are what mixture-of-experts layers use (Hugging
 Face's default ``grouped_mm`` experts path: ``torch.histc`` to count tokens per expert,
-then a grouped matmul over the rows sorted by expert), and the backward of a
-weight-normed layer.
+then a grouped matmul over the rows sorted by expert), the backward of a
+weight-normed layer, and a median along a dimension.
 
 Example::
 
@@ -77,6 +77,12 @@ def weight_norm_backward(grad_w, v, g, norms, dim: int):
     return grad_v, sums / norms
 
 
+def median_dim(x: torch.Tensor, dim: int = -1, keepdim: bool = False):
+    """``x.median(dim)``: torch's lower median is the ((n - 1) // 2 + 1)-th smallest,
+    which XLA computes as a kthvalue (torch_xla runs median(dim) on the CPU)."""
+    return torch.ops.aten.kthvalue.default(x, (x.shape[dim] - 1) // 2 + 1, dim, keepdim)
+
+
 def table() -> Dict[object, Callable]:
     """The decompositions for the ops that exist in this process (a library's custom
     ops exist once it is imported)."""
@@ -84,6 +90,7 @@ def table() -> Dict[object, Callable]:
     out: Dict[object, Callable] = {
         aten.histc.default: histc,
         aten._weight_norm_interface_backward.default: weight_norm_backward,
+        aten.median.dim: median_dim,
     }
     if hasattr(torch.ops.aten, "_grouped_mm"):
         out[torch.ops.aten._grouped_mm.default] = _aten_grouped_mm
