@@ -164,3 +164,27 @@ def test_batches_as_hugging_face_batch_encodings(s2):
             assert torch.equal(got[k].torch(), want_b[k]), k
         n += 1
     assert n == 2
+
+
+def test_hugging_face_dropout_with_gradient_checkpointing(s2):
+    """GPT-2 with its default dropout (0.1) and ``gradient_checkpointing_enable()``, the
+    usual fine-tuning setup (it used to be refused): the recomputation reuses the
+    forward's masks, so with one seed it trains bit for bit as without checkpointing."""
+    import transformers
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64,
+                                  n_positions=32, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": (ids := torch.randint(0, 64, (4, 16), generator=g)),
+                "labels": ids} for _ in range(3)]
+    runs = []
+    for ckpt in (False, True):
+        model = copy.deepcopy(base)
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        tr = pw.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), None,
+                        slice=s2, seed=11)
+        runs.append([float(tr.step(b)) for b in batches])
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) == 3

@@ -3,6 +3,8 @@ random numbers, in-place updates and ops that torch_xla would run on the CPU."""
 
 from __future__ import annotations
 
+import copy
+
 import os
 import subprocess
 import sys
@@ -325,27 +327,49 @@ def test_dataclass_and_nested_outputs_keep_their_structure(s4):
     assert torch.equal(out.hidden[1]["deep"].torch(), x - 1)
 
 
-def test_dropout_inside_activation_checkpointing_is_refused(s4):
-    """torch recomputes a checkpointed block with the forward's RNG state; the program
-    would draw another mask and silently compute another network's gradients."""
+def test_dropout_inside_activation_checkpointing_reuses_the_forwards_masks(s4):
+    """torch recomputes a checkpointed block with the forward's RNG state, so the
+    recomputation draws the forward's dropout masks. The program's recomputation takes
+    copies of them (it used to be refused): with the same seed, a model whose blocks are
+    checkpointed trains bit for bit as the same model without checkpointing, which it
+    could not if the backward saw other masks than the forward."""
     from torch.utils.checkpoint import checkpoint
 
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+            self.ckpt = False
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+                torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Dropout(0.3),
+                torch.nn.Linear(16, 16), torch.nn.Dropout(0.2)) for _ in range(3))
+            self.head = torch.nn.Linear(16, 4)
 
         def forward(self, x):
-            return checkpoint(self.block, x, use_reentrant=False)
+            for b in self.blocks:
+                x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
+            return self.head(x)
 
-    m = Model()
-    tr = pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1),
-                    torch.nn.functional.mse_loss, slice=s4)
-    with pytest.raises(pw.TraceError, match="torch.utils.checkpoint draws random"):
-        tr.step(torch.randn(4, 4), torch.randn(4, 4))
-    m.block[1].p = 0.0                    # without dropout the block trains
-    tr = pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1),
-                    torch.nn.functional.mse_loss, slice=s4)
-    x, y = torch.randn(4, 4), torch.randn(4, 4)
-    want = torch.nn.functional.mse_loss(m(x), y).item()
-    assert float(tr.step(x, y)) == pytest.approx(want, abs=1e-6)
+    torch.manual_seed(0)
+    base = Model()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(3)]
+    runs = []
+    for ckpt in (False, True):
+        m = copy.deepcopy(base)
+        m.ckpt = ckpt
+        tr = pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                        torch.nn.functional.cross_entropy, slice=s4, seed=5)
+        losses = [float(tr.step(x, y)) for x, y in data]
+        runs.append((losses, tr.sync_to(copy.deepcopy(m))))
+    (plain, p_model), (ckpt, c_model) = runs
+    assert plain == ckpt
+    assert len(set(plain)) == 3
+    for (n, a), b in zip(p_model.named_parameters(), c_model.parameters()):
+        assert torch.equal(a, b), n
+    # and the masks are not all ones: another seed gives another first loss
+    m = copy.deepcopy(base)
+    m.ckpt = True
+    other = pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                       torch.nn.functional.cross_entropy, slice=s4, seed=6)
+    assert float(other.step(*data[0])) != plain[0]

@@ -272,7 +272,7 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
         raise
     except Exception as e:
         raise _user_error(name, sig, e) from e
-    remat.check_random(joint, name)
+    remat.share_random(joint, name)
     remat.tie_regions(joint)
     # New fakes: the first trace set requires_grad on its copies of ``fakes``, and a
     # module that keeps references to them (nn.LSTM's _flat_weights) keeps them in the

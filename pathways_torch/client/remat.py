@@ -2,11 +2,12 @@
 
 In the joint graph a checkpointed block appears twice: its forward, and its
 recomputation, which torch runs inside the backward when the backward needs the
-activations the forward did not keep. Capture tags the recomputed ops while it records
-the graph (``tagging``), to refuse what would be wrong: a checkpointed block that draws
-random numbers (dropout). torch replays the forward's RNG state for the recomputation;
-the program's random ops would draw a second, different mask, and the gradients would
-silently be those of another network.
+activations the forward did not keep. Capture tags the recomputed ops and each
+checkpointed call's forward ops while it records the graph (``tagging``). torch replays
+the forward's RNG state for the recomputation, so a block with dropout draws the same
+masks twice; the program's random ops would draw a second, different mask, and the
+gradients would silently be those of another network. ``share_random`` gives each
+recomputed random op a copy of its forward's draw.
 
 What checkpointing saves here, and how (``tie``). XLA sees the recomputation as a second
 copy of the forward's ops on the same values; left alone, its common-subexpression
@@ -26,7 +27,7 @@ Example (inside capture)::
 
     with tagging():
         joint = make_fx(fn, ...)(*fakes)
-    check_random(joint, name)
+    share_random(joint, name)
     tie_regions(joint)
 """
 
@@ -42,6 +43,8 @@ import torch
 from ..errors import TraceError
 
 KEY = "recompute"
+FRAME = "recompute_block"        # the checkpointed call a recomputed op belongs to
+FORWARD = "checkpoint_block"     # the checkpointed call a forward op belongs to
 _regions = itertools.count(1)
 
 
@@ -51,42 +54,99 @@ def tagging():
     ``node.meta["recompute"] = region``."""
     import torch.utils.checkpoint as ckpt
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
-    base = ckpt._recomputation_hook
+    base, base_forward = ckpt._recomputation_hook, ckpt._checkpoint_hook
 
-    class _Tagged(base):
-        def __enter__(self):
-            mode = get_proxy_mode()
-            self._graph = mode.tracer.graph if mode is not None else None
-            self._before = set(self._graph.nodes) if self._graph is not None else set()
-            self._region = next(_regions)
-            return super().__enter__()
+    def recorded(hook, key, value):
+        """``hook`` (a context manager class) tagging the nodes created inside it."""
+        class _Tagging(hook):
+            def __enter__(self):
+                mode = get_proxy_mode()
+                self._graph = mode.tracer.graph if mode is not None else None
+                self._before = set(self._graph.nodes) if self._graph is not None else set()
+                self._tags = value(self)
+                return super().__enter__()
 
-        def __exit__(self, *exc):
-            out = super().__exit__(*exc)
-            if self._graph is not None:
-                for node in self._graph.nodes:
-                    if node not in self._before and node.op == "call_function":
-                        node.meta.setdefault(KEY, self._region)
-            return out
+            def __exit__(self, *exc):
+                out = super().__exit__(*exc)
+                if self._graph is not None:
+                    for node in self._graph.nodes:
+                        if node not in self._before and node.op == "call_function":
+                            for k, v in zip(key, self._tags):
+                                node.meta.setdefault(k, v)
+                return out
+        return _Tagging
 
-    ckpt._recomputation_hook = _Tagged
+    class _Recomputed(recorded(base, (KEY, FRAME), lambda h: (next(_regions), h._frame))):
+        def __init__(self, target_frame_ref, gid):
+            frame = target_frame_ref()
+            self._frame = getattr(frame, "_pathways_block", None)
+            super().__init__(target_frame_ref, gid)
+
+    class _Forward(recorded(base_forward, (FORWARD,), lambda h: (h._frame,))):
+        def __init__(self, frame):
+            frame._pathways_block = self._frame = next(_regions)
+            super().__init__(frame)
+
+    ckpt._recomputation_hook, ckpt._checkpoint_hook = _Recomputed, _Forward
     try:
         yield
     finally:
-        ckpt._recomputation_hook = base
+        ckpt._recomputation_hook, ckpt._checkpoint_hook = base, base_forward
 
 
-def check_random(gm, name: str) -> None:
-    """Refuse random ops in a recomputed block (see the module's docstring)."""
-    for node in gm.graph.nodes:
-        op = node.target
-        if node.meta.get(KEY) and isinstance(op, torch._ops.OpOverload) and \
-                torch.Tag.nondeterministic_seeded in op.tags:
+def _random(node) -> bool:
+    op = node.target
+    return node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and \
+        torch.Tag.nondeterministic_seeded in op.tags
+
+
+def share_random(gm, name: str) -> int:
+    """The recomputation of a checkpointed block draws what its forward drew, as torch's
+    replay of the RNG state makes it: its k-th random op takes a copy of the forward's
+    k-th (kept from the forward: a dropout mask's memory, not the activations'). A
+    recomputation whose random ops do not pair with its forward's is refused. Returns
+    how many draws were shared."""
+    graph = gm.graph
+    forward: Dict[int, list] = {}
+    again: Dict[int, list] = {}
+    for node in graph.nodes:
+        if not _random(node):
+            continue
+        if node.meta.get(KEY):
+            again.setdefault(node.meta.get(FRAME), []).append(node)
+        elif node.meta.get(FORWARD) is not None:
+            forward.setdefault(node.meta[FORWARD], []).append(node)
+    shared = 0
+    for block, redraws in again.items():
+        draws = forward.get(block, [])
+        if block is None or len(draws) != len(redraws) or any(
+                f.target != r.target or not isinstance(f.meta.get("val"), torch.Tensor)
+                or f.meta["val"].shape != r.meta.get("val", f.meta["val"]).shape
+                for f, r in zip(draws, redraws)):
+            op = redraws[0].target.name()
             raise TraceError(
                 f"program '{name}': a block under torch.utils.checkpoint draws random "
-                f"numbers ({op.name()}, e.g. dropout); its recomputation would draw "
-                "different ones than its forward. Checkpoint blocks without dropout, or "
-                "set the dropout probability of the checkpointed blocks to 0")
+                f"numbers ({op}) that its recomputation cannot take from its forward. "
+                "Checkpoint blocks without dropout, or set the dropout probability of "
+                "the checkpointed blocks to 0")
+        for f, r in zip(draws, redraws):
+            with graph.inserting_after(f):
+                kept = graph.call_function(torch.ops.aten.clone.default, (f,))
+            kept.meta["val"] = f.meta["val"]
+            with graph.inserting_before(r):
+                if r.target._schema.is_mutable:   # bernoulli_(t): t takes the draw
+                    new = graph.call_function(torch.ops.aten.copy_.default,
+                                              (r.args[0], kept))
+                else:
+                    new = graph.call_function(torch.ops.aten.clone.default, (kept,))
+            new.meta.update(r.meta)          # in the recomputed region, as r was
+            r.replace_all_uses_with(new)
+            graph.erase_node(r)
+            shared += 1
+    if shared:
+        graph.lint()
+        gm.recompile()
+    return shared
 
 
 
