@@ -30,6 +30,10 @@ a CPU, some of which XLA cannot lower:
   inside the trace; XLA compiles the whole program, so they run as the code they wrap
   (``torch.compiler.set_stance("force_eager")``).
 
+The switches are process-wide while a trace runs (traces are serialized by capture's
+lock); another thread's torch code during a trace would take the same paths, with the
+same numbers.
+
 Example::
 
     with torch_paths.traceable():
