@@ -86,12 +86,18 @@ def _batches(n=3, left_aligned=True):
     return out
 
 
-def _train_both(build, s, compile_=None):
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+
+
+def _train_both(build, s, compile_=None, make_opt=_sgd, data=None, approx=None):
+    """Plain torch and pw.Trainer from one init on the same batches; the losses must
+    agree (``approx``: pytest.approx's tolerances, 1e-5 by default) and change."""
     torch.manual_seed(0)
     ref = build()
     model = copy.deepcopy(ref)
-    data = _batches()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    data = data if data is not None else _batches()
+    opt = make_opt(ref.parameters())
     expected = []
     for x, y in data:
         opt.zero_grad()
@@ -100,10 +106,9 @@ def _train_both(build, s, compile_=None):
         opt.step()
         expected.append(loss.item())
     given = compile_(model) if compile_ else model
-    tr = pw.Trainer(given, torch.optim.SGD(given.parameters(), lr=0.1, momentum=0.9),
-                    F.cross_entropy, slice=s)
+    tr = pw.Trainer(given, make_opt(given.parameters()), F.cross_entropy, slice=s)
     got = [float(tr.step(x, y)) for x, y in data]
-    assert got == pytest.approx(expected, abs=TOL, rel=TOL)
+    assert got == pytest.approx(expected, **(approx or dict(abs=TOL, rel=TOL)))
     assert len({round(v, 6) for v in got}) > 1, "the loss never changed: no update?"
     return tr, model, ref
 
@@ -237,24 +242,13 @@ def test_a_bfloat16_model_trains_like_torch(s2):
     float32 parameter, which the next step refused as the wrong input; values now keep
     torch's dtypes. Losses and parameters agree within bfloat16's rounding: 2 units in
     the last place at 1 (2 ** -6), not the float32 tolerance of the other tests."""
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).bfloat16()
-    model = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 16, generator=g).bfloat16(), torch.randint(0, 4, (8,), generator=g))
             for _ in range(4)]
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    expected = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
-    tr = pw.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), F.cross_entropy,
-                    slice=s2)
-    got = [float(tr.step(x, y)) for x, y in data]
-    assert got == pytest.approx(expected, rel=2 ** -6)
+    tr, model, ref = _train_both(
+        lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).bfloat16(),
+        s2, make_opt=lambda ps: torch.optim.AdamW(ps, lr=1e-2), data=data,
+        approx=dict(rel=2 ** -6))
     out = copy.deepcopy(model)
     tr.sync_to(out)
     for (n, a), b in zip(out.named_parameters(), ref.parameters()):

@@ -67,12 +67,15 @@ def strategy(name):
 
 
 def torch_train(model, opt, data, loss_fn=F.cross_entropy, clip=None, scheduler=None,
-                bf16=False, call=None):
-    """Plain torch: the losses of one step per batch; the gradient norms before clipping."""
+                bf16=False, call=None, each_step=None):
+    """Plain torch: the losses of one step per batch; the gradient norms before clipping.
+    ``each_step(model, i)`` runs before step i (a layer frozen, a hook registered)."""
     call = call or (lambda m, x: m(x))
     losses, norms = [], []
     model.train()
-    for x, y in data:
+    for i, (x, y) in enumerate(data):
+        if each_step is not None:
+            each_step(model, i)
         opt.zero_grad()
         if bf16:
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -87,6 +90,25 @@ def torch_train(model, opt, data, loss_fn=F.cross_entropy, clip=None, scheduler=
             scheduler.step()
         losses.append(loss.item())
     return losses, norms
+
+
+def trainer_train(model, make_opt, data, each_step, **kw):
+    """pw.Trainer's losses with ``each_step(model, i)`` before step i (step 0's before
+    the Trainer is built, as a script does it), and the Trainer."""
+    each_step(model, 0)
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, **kw)
+    got = []
+    for i, (x, y) in enumerate(data):
+        if i:
+            each_step(model, i)
+        got.append(float(tr.step(x, y)))
+    return got, tr
+
+
+def dp_or_pipeline(strat, s2, pipe_slices) -> dict:
+    if strat == "dp":
+        return dict(slice=s2)
+    return dict(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
 
 
 def assert_losses(got, want, rtol=TOL, atol=TOL):
@@ -414,29 +436,11 @@ def test_freezing_and_unfreezing_between_steps_equals_torch(s2, pipe_slices, str
             layer, flag = plan[i]
             m.get_submodule(layer).weight.requires_grad_(flag)
 
-    opt, want = make_opt(ref.parameters()), []
-    for i, (x, y) in enumerate(data):
-        apply(ref, i)
-        opt.zero_grad()
-        loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
-    if strat == "dp":
-        kw = dict(slice=s2)
-    else:
-        kw = dict(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
-    apply(model, 0)
-    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, **kw)
-    got = []
-    for i, (x, y) in enumerate(data):
-        apply(model, i)
-        got.append(float(tr.step(x, y)))
+    want, _ = torch_train(ref, make_opt(ref.parameters()), data, each_step=apply)
+    got, tr = trainer_train(model, make_opt, data, apply,
+                            **dp_or_pipeline(strat, s2, pipe_slices))
     assert_losses(got, want, rtol=1e-5, atol=1e-6)
-    trained = tr.sync_to(copy.deepcopy(model))
-    for (n, a), b in zip(trained.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=n: f"{n}: {m}")
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref, atol=1e-6)
 
 
 @pytest.mark.parametrize("strat", ["dp", "pipeline"])
@@ -457,28 +461,11 @@ def test_gradient_hooks_on_parameters_run_as_in_torch(s2, pipe_slices, strat):
             m[4].bias.register_hook((lambda g: g.clamp(-0.01, 0.01)) if strat == "dp"
                                     else (lambda g: g * 3.0))
 
-    opt, want = make_opt(ref.parameters()), []
-    for i, (x, y) in enumerate(data):
-        hook(ref, i)
-        opt.zero_grad()
-        loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
-    hook(model, 0)
-    kw = dict(slice=s2) if strat == "dp" else dict(
-        parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
-    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, **kw)
-    got = []
-    for i, (x, y) in enumerate(data):
-        if i:
-            hook(model, i)
-        got.append(float(tr.step(x, y)))
+    want, _ = torch_train(ref, make_opt(ref.parameters()), data, each_step=hook)
+    kw = dp_or_pipeline(strat, s2, pipe_slices)
+    got, tr = trainer_train(model, make_opt, data, hook, **kw)
     assert_losses(got, want, rtol=1e-5, atol=1e-6)
-    trained = tr.sync_to(copy.deepcopy(model))
-    for (n, a), b in zip(trained.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=n: f"{n}: {m}")
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref, atol=1e-6)
     plain = mlp()
     plain[0].weight.register_post_accumulate_grad_hook(lambda p: None)
     with pytest.raises(pw.TraceError, match="register_post_accumulate_grad_hook"):

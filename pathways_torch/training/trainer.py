@@ -116,7 +116,7 @@ class Trainer:
         self.fixed: List[Dict[str, Array]] = []
         self.acc: List[Dict[str, Array]] = []        # accumulated gradients (accumulate > 1)
         self._parked: List[Dict[str, Dict[str, Array]]] = []  # state of frozen parameters
-        initial = self._initial_states(named)
+        initial = self._initial_states(list(self._group_of))
         for home_of in homes:
             self._parked.append({})
             self.replicas.append({n: put(named[n].detach(), home_of(n), self.param_specs[n])
@@ -172,14 +172,15 @@ class Trainer:
         (a step count) is replicated."""
         return self.param_specs[name] if tuple(t.shape) == self._shapes[name] else P()
 
-    def _initial_states(self, named) -> Dict[str, Dict[str, torch.Tensor]]:
-        """The torch optimizer's state where it has some (a resumed run), else the
-        state its first step would create."""
-        out = {}
-        for gi, names in enumerate(self._groups):
-            fresh = fopt.initial_state(self.opt, gi, [named[n] for n in names])
+    def _initial_states(self, wanted: List[str]) -> Dict[str, Dict[str, torch.Tensor]]:
+        """For the trained parameters ``wanted``: the torch optimizer's state where it
+        has some (a resumed run), else the state its first step would create."""
+        out, wanted = {}, set(wanted)
+        for gi, group in enumerate(self._groups):
+            names = [n for n in group if n in wanted]
+            fresh = fopt.initial_state(self.opt, gi, [self._held[n] for n in names])
             for n, st in zip(names, fresh):
-                existing = self.optimizer.state.get(named[n], {})
+                existing = self.optimizer.state.get(self._held[n], {})
                 out[n] = ({k: v.detach().clone() for k, v in existing.items()
                            if isinstance(v, torch.Tensor)} if existing else st)
         return out
@@ -205,13 +206,14 @@ class Trainer:
         if not now:
             raise PathwaysError("no parameter of the optimizer requires grad any more: "
                                 "use trainer.evaluate / predict, or unfreeze one")
-        before = set(self._group_of)
-        on = [n for n in now if n not in before]
-        off = [n for n in self._group_of if n not in set(now)]
+        on = [n for n in now if n not in self._group_of]
+        off = [n for n in self._group_of if not self._held[n].requires_grad]
         ids = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups)
                for p in g["params"]}
         self._group_of = {n: ids[id(self._held[n])] for n in now}
-        first: Dict[str, Dict[str, torch.Tensor]] = {}
+        self._groups = [[n for n in now if self._group_of[n] == gi]
+                        for gi in range(len(self.optimizer.param_groups))]
+        first = self._initial_states([n for n in on if n not in self._parked[0]])
         for r, home_of in enumerate(self._homes):
             for n in off:
                 self.fixed[r][n] = self.replicas[r].pop(n)
@@ -220,31 +222,16 @@ class Trainer:
             for n in on:
                 self.replicas[r][n] = self.fixed[r].pop(n)
                 st = self._parked[r].pop(n, None)
-                if st is None:
-                    if n not in first:
-                        first[n] = self._initial_state(n)
-                    st = {k: put(t, home_of(n), self._state_spec(n, t))
-                          for k, t in first[n].items()}
-                self.states[r][n] = st
+                self.states[r][n] = st if st is not None else {
+                    k: put(t, home_of(n), self._state_spec(n, t)) for k, t in first[n].items()}
                 if self.options.accumulate > 1:
                     p = self._held[n]
                     self.acc[r][n] = put(torch.zeros(p.shape, dtype=p.dtype), home_of(n),
                                          self.param_specs[n])
             self.replicas[r] = {n: self.replicas[r][n] for n in now}
             self.states[r] = {n: self.states[r][n] for n in now}
-        self._groups = [[n for n in now if self._group_of[n] == gi]
-                        for gi in range(len(self.optimizer.param_groups))]
         self._flags = flags
         self._programs.clear()          # their update names the trained parameters
-
-    def _initial_state(self, name: str) -> Dict[str, torch.Tensor]:
-        """What torch's optimizer holds for ``name``, or what its first step creates."""
-        p = self._held[name]
-        existing = self.optimizer.state.get(p, {})
-        if existing:
-            return {k: v.detach().clone() for k, v in existing.items()
-                    if isinstance(v, torch.Tensor)}
-        return fopt.initial_state(self.opt, self._group_of[name], [p])[0]
 
     @property
     def params(self) -> Dict[str, Array]:
