@@ -831,3 +831,41 @@ def test_activation_checkpointing_equals_torch(s2):
     got = floats([tr.step(x, y) for x, y in data])
     want, _ = torch_train(ref, make_opt(ref.parameters()), data)
     assert_losses(got, want)
+
+
+@pytest.mark.parametrize("how", ["save", "state_dict"])
+def test_a_frozen_parameters_optimizer_state_survives_a_checkpoint(s2, tmp_path, how):
+    """AdamW state of a parameter frozen when the checkpoint is taken is part of it:
+    resumed in a new Trainer and unfrozen, it goes on from that state as torch does
+    (it used to be dropped by save(), and the parameter restarted from fresh state)."""
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    model, data = mlp(), batches(5, seed=11)
+    ref = copy.deepcopy(model)
+    plan = {2: False, 4: True}                     # trained, frozen at 2-3, trained again
+
+    def apply(m, i):
+        if i in plan:
+            m.get_submodule("0").weight.requires_grad_(plan[i])
+
+    want, _ = torch_train(ref, make_opt(ref.parameters()), data, each_step=apply)
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, slice=s2)
+    got = []
+    for i, (x, y) in enumerate(data[:3]):
+        apply(model, i)
+        got.append(float(tr.step(x, y)))
+    if how == "save":
+        tr.save(str(tmp_path / "ckpt"))
+    else:
+        sd = tr.state_dict()
+    # a new process would build the model again, frozen as it was when saved
+    model2 = copy.deepcopy(model)
+    tr2 = pw.Trainer(model2, make_opt(model2.parameters()), F.cross_entropy, slice=s2)
+    if how == "save":
+        tr2.load(str(tmp_path / "ckpt"))
+    else:
+        tr2.load_state_dict(sd)
+    for i, (x, y) in enumerate(data[3:], start=3):
+        apply(model2, i)
+        got.append(float(tr2.step(x, y)))
+    assert_losses(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_model(tr2.sync_to(copy.deepcopy(model2)), ref, atol=1e-6)

@@ -103,6 +103,13 @@ def load_arrays(path: str, wanted: Mapping[str, Tuple["runtime.Slice", torch.Siz
     return out
 
 
+def entries(path: str) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
+    """Every key of checkpoint ``path`` with its shape and dtype."""
+    meta = _read_metadata(os.path.abspath(path))
+    return {k: (torch.Size(md.size), md.properties.dtype)
+            for k, md in meta.state_dict_metadata.items() if hasattr(md, "size")}
+
+
 def _read_metadata(path: str):
     from torch.distributed.checkpoint import FileSystemReader
     try:

@@ -34,7 +34,7 @@ import torch
 
 from .._trees import plain_batch
 from ..client.array import Array, put
-from ..client.checkpoint import load_arrays, save_arrays
+from ..client.checkpoint import entries as checkpoint_entries, load_arrays, save_arrays
 from ..client.program import Program
 from ..client.rng import SeedStream
 from ..errors import PathwaysError
@@ -233,6 +233,10 @@ class Trainer:
         self._flags = flags
         self._programs.clear()          # their update names the trained parameters
 
+    def _frozen(self) -> List[str]:
+        """The optimizer's parameters that this Trainer does not train now."""
+        return [n for n in self._held if n not in self.states[0]]
+
     @property
     def params(self) -> Dict[str, Array]:
         """The trained parameters (of the first replica), as Arrays."""
@@ -346,6 +350,12 @@ class Trainer:
                 for k in list(sd["optim"][n]):
                     t = sd["optim"][n][k]
                     st[k] = put(t, home_of(n), self._state_spec(n, t))
+            for n in self._frozen():
+                saved = sd["optim"].get(n)
+                self._parked[r].pop(n, None)
+                if saved:
+                    self._parked[r][n] = {k: put(t, home_of(n), self._state_spec(n, t))
+                                          for k, t in saved.items()}
         self.steps = int(sd["steps"])
         if "rng" in sd:
             self._set_rng(sd["rng"])
@@ -394,7 +404,7 @@ class Trainer:
             torch.distributed.checkpoint.load(sd, checkpoint_id="ckpt")
         """
         arrays = {f"model.{n}": a for n, a in {**self.replicas[0], **self.fixed[0]}.items()}
-        for n, st in self.states[0].items():
+        for n, st in {**self._parked[0], **self.states[0]}.items():     # frozen ones too
             arrays.update({f"optim.{n}.{k}": a for k, a in st.items()})
         for n, a in self.acc[0].items():
             arrays[f"acc.{n}"] = a
@@ -413,6 +423,12 @@ class Trainer:
     def load(self, path: str) -> None:
         """Read a checkpoint written by ``save`` (or by torch.distributed.checkpoint with
         the same keys); the executors read their parts from the files directly."""
+        frozen = self._frozen()
+        saved = checkpoint_entries(path) if frozen else {}
+        # a frozen parameter's optimizer state, if it had some when saved
+        parked = {n: {key[len(f"optim.{n}."):]: saved[key] for key in saved
+                      if key.startswith(f"optim.{n}.") and "." not in key[len(f"optim.{n}."):]}
+                  for n in frozen}
         side_path = os.path.join(path, "trainer.json")
         side = {}
         if os.path.exists(side_path):
@@ -430,6 +446,10 @@ class Trainer:
                                                 self._state_spec(n, a))
             for n, a in self.acc[r].items():
                 wanted[f"acc.{n}"] = (home_of(n), a.shape, a.dtype, self.param_specs[n])
+            for n, ks in parked.items():
+                for k, (shape, dtype) in ks.items():
+                    wanted[f"optim.{n}.{k}"] = (home_of(n), shape, dtype, self._state_spec(
+                        n, torch.empty(shape, device="meta")))
             if r == 0:
                 first = next(iter(self.replicas[0]))
                 wanted["steps"] = (home_of(first), torch.Size([]), torch.int64, P())
@@ -445,6 +465,10 @@ class Trainer:
                     st[k] = got[f"optim.{n}.{k}"]
             for n in self.acc[r]:
                 self.acc[r][n] = got[f"acc.{n}"]
+            for n, ks in parked.items():
+                self._parked[r].pop(n, None)
+                if ks:
+                    self._parked[r][n] = {k: got[f"optim.{n}.{k}"] for k in ks}
             if r == 0:
                 self.steps = int(got["steps"].torch())
                 if "rng" in got:
