@@ -42,7 +42,7 @@ import hashlib
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -131,11 +131,12 @@ _DECOMPS = None
 
 
 @functools.lru_cache(maxsize=None)
-def _has_xla_kernel(op) -> bool:
-    """Whether torch_xla runs ``op`` as XLA (else its CPU fallback reads the values).
-    A composite kernel counts unless it computes through an ``out=`` variant of its
-    own that XLA lacks (``median(dim)`` calls ``median.dim_values``): that one falls
-    back, and on a placeholder the process aborts."""
+def _kernel(op) -> Optional[bool]:
+    """Whether torch_xla runs ``op`` as XLA (else its CPU fallback reads the values):
+    True for an XLA kernel or one composed above the backend, False for none, None for
+    a composite kernel whose parts the dispatcher does not tell (``_falls_back`` runs
+    it). A composite kernel that computes through an ``out=`` variant of its own that
+    XLA lacks is False at once (``median(dim)`` calls ``median.dim_values``)."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     name = op.name()
     try:
@@ -157,7 +158,57 @@ def _has_xla_kernel(op) -> bool:
                 return False
         except RuntimeError:
             continue
-    return True
+    return None
+
+
+_FALLBACKS: Dict[tuple, List[str]] = {}
+_PROBE_LIMIT = 1 << 26                 # elements: a probe past this would cost more than
+                                       # the rare fallback it could find
+
+
+def _falls_back(op, node, device) -> List[str]:
+    """The ops torch_xla runs on the CPU when it runs ``op`` with the node's arguments,
+    found by running it once on zeros of the node's shapes and reading torch_xla's
+    fallback counters. The dispatcher cannot tell: a composite kernel computes through
+    others (``cummin`` through ``_cummin_helper``), and an XLA kernel falls back for
+    some arguments (``scatter_reduce`` with ``"amax"``); on a placeholder that fallback
+    aborts the process. Lazy ops do not run, so a probe costs a dispatch; cached per
+    op, argument ranks and dtypes and the other arguments."""
+    import torch_xla.debug.metrics as met
+    sizes, key = [], [op]
+
+    def real(n):
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in v.shape):
+            raise LookupError(n)
+        sizes.append(v.numel())
+        key.append((v.dim(), v.dtype))
+        return torch.zeros(tuple(v.shape), dtype=v.dtype, device=device)
+
+    try:
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), real)
+        key.append(repr(torch.fx.node.map_arg((node.args, node.kwargs), lambda n: None)))
+    except LookupError:
+        return []                   # not a plain tensor op: the dispatcher's word stands
+    key = tuple(key)
+    if key in _FALLBACKS:
+        return _FALLBACKS[key]
+    if sum(sizes) > _PROBE_LIMIT:
+        return []
+
+    def counts():
+        return {c: met.counter_value(c) for c in met.counter_names() if c.startswith("aten::")}
+
+    before = counts()
+    try:
+        with torch.no_grad():
+            op(*args, **kwargs)
+    except Exception:               # zeros are no valid input for it; the replay will say
+        pass
+    after = counts()
+    _FALLBACKS[key] = sorted(c.replace("aten::", "torch.") for c in after
+                             if after[c] != before.get(c))
+    return _FALLBACKS[key]
 
 
 def _decompositions() -> Dict:
@@ -178,6 +229,12 @@ def _decompositions() -> Dict:
                     and (not has(op.name(), "XLA") or op in wrong_on_xla)}
         _DECOMPS.update({op: decomposition_table[op] for op in wrong_on_xla
                          if op in decomposition_table})
+        # beyond the core set, torch's decompositions of the ops XLA lacks (Tensor.unfold,
+        # bicubic upsampling, grid_sampler_2d, bucketize, ...): a formula of ops XLA has
+        # beats a refusal
+        _DECOMPS.update({op: f for op, f in decomposition_table.items()
+                         if isinstance(op, torch._ops.OpOverload) and op not in _DECOMPS
+                         and _kernel(op) is False})
     return _DECOMPS
 
 
@@ -344,19 +401,34 @@ def _lift_input_mutations(gm) -> List[int]:
     return mutated
 
 
-def _check_ops(gm, name: str) -> None:
+def _check_ops(gm, name: str, device) -> None:
     """Refuse ops torch_xla would run on the CPU: on a placeholder that reads data
     that does not exist, and the process dies."""
     for node in gm.graph.nodes:
         op = node.target
-        if node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and \
-                op is not torch.ops.aten.lift_fresh_copy.default and not _has_xla_kernel(op):
-            short = op.name().replace("aten::", "torch.")
-            raise _data_dependent(
-                name, f"{short} has no XLA lowering: torch_xla would run it on the CPU, "
-                      "reading the values")
-        if node.op == "call_function" and op in _adaptive_pools():
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or \
+                op is torch.ops.aten.lift_fresh_copy.default:
+            continue
+        lowered = _kernel(op)
+        short = op.name().replace("aten::", "torch.").replace("prims::", "torch.")
+        if lowered is False:
+            raise _no_lowering(name, short)
+        if op in _adaptive_pools():
             _check_adaptive(node, name)
+        inner = _falls_back(op, node, device)
+        if inner:
+            through = [i for i in inner if i != short]
+            raise _no_lowering(name, short + (f" (through {', '.join(through)})"
+                                              if through else ""))
+
+
+def _no_lowering(name: str, short: str) -> DataDependentError:
+    return DataDependentError(
+        f"program '{name}' uses {short}, which has no XLA lowering: torch_xla would run "
+        "it on the CPU, reading values that a trace does not have (programs are traced "
+        "on shapes and dtypes only). Compute it outside the program (on Array.torch()), "
+        "or with ops XLA lowers; docs/architecture.md lists the ops pathways_torch "
+        "computes by formula instead")
 
 
 def _adaptive_pools() -> set:
@@ -435,7 +507,7 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
             fakes = [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in in_avals]
         del mode
         gm, info = _graph(fn, name, sig, fakes, build_args)
-        _check_ops(gm, name)
+        _check_ops(gm, name, dev)
         import torch_xla
         import torch_xla.core.xla_model as xm
         from torch_xla.core.xla_builder import create_placeholder_tensor

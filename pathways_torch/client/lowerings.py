@@ -7,7 +7,13 @@ computes them. Capture decomposes these while it records the graph, so the progr
 only ops XLA compiles. The ones here are what mixture-of-experts layers use (Hugging
 Face's default ``grouped_mm`` experts path: ``torch.histc`` to count tokens per expert,
 then a grouped matmul over the rows sorted by expert), the backward of a
-weight-normed layer, and a median along a dimension.
+weight-normed layer, a median along a dimension, interpolation (resample.py), lgamma, digamma and
+polygamma (special.py; torch.distributions needs them), torch.fft (dft.py), a few
+elementwise functions (``exp2``, ``hypot``, ``fmax``, ``signbit``, ``round(decimals=)``),
+cumulative ``cummin`` and ``logcumsumexp``, ``nn.Embedding(max_norm=)``'s renorm, and
+the linear algebra XLA has under other names (Cholesky, triangular solves; the
+singular-matrix check of ``linalg.inv`` reads a value and is skipped: XLA gives inf/nan
+where torch would raise).
 
 Example::
 
@@ -16,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict
 
 import torch
@@ -83,15 +90,149 @@ def median_dim(x: torch.Tensor, dim: int = -1, keepdim: bool = False):
     return torch.ops.aten.kthvalue.default(x, (x.shape[dim] - 1) // 2 + 1, dim, keepdim)
 
 
+def exp2(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x * math.log(2.0))
+
+
+def hypot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sqrt(a^2 + b^2) scaled by the larger magnitude, so it neither overflows nor
+    underflows where torch's does not."""
+    a, b = a.abs(), b.abs()
+    big, small = torch.maximum(a, b), torch.minimum(a, b)
+    safe = torch.where(big == 0, torch.ones_like(big), big)
+    r = small / safe
+    out = big * torch.sqrt(1 + r * r)
+    return torch.where(torch.isinf(big), big, out)
+
+
+def fmax(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The maximum, ignoring a NaN on one side (torch.fmax)."""
+    return torch.where(torch.isnan(a), b, torch.where(torch.isnan(b), a, torch.maximum(a, b)))
+
+
+def fmin(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(a), b, torch.where(torch.isnan(b), a, torch.minimum(a, b)))
+
+
+def signbit(x: torch.Tensor) -> torch.Tensor:
+    """Negative, or negative zero (whose reciprocal is -inf)."""
+    if not x.is_floating_point():
+        return x < 0
+    return (x < 0) | ((x == 0) & (torch.reciprocal(x) < 0))
+
+
+def copysign(a: torch.Tensor, b) -> torch.Tensor:
+    neg = signbit(b) if isinstance(b, torch.Tensor) else math.copysign(1.0, b) < 0
+    mag = a.abs() if a.is_floating_point() else a.abs().to(torch.get_default_dtype())
+    return torch.where(neg, -mag, mag) if isinstance(neg, torch.Tensor) else (-mag if neg else mag)
+
+
+def round_decimals(x: torch.Tensor, decimals: int = 0) -> torch.Tensor:
+    """torch's CPU formula: round half to even at ``10**decimals``."""
+    ten = 10.0 ** abs(decimals)
+    return torch.round(x * ten) / ten if decimals >= 0 else torch.round(x / ten) * ten
+
+
+def cummin(x: torch.Tensor, dim: int):
+    """The running minimum as the running maximum of ``-x`` (the same last-index rule
+    on ties; torch_xla's cummin runs on the CPU)."""
+    values, indices = torch.ops.aten.cummax.default(-x, dim)
+    return -values, indices
+
+
+def logcumsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Each prefix's logsumexp, from an [n, n] lower-triangular mask: exact where a
+    running ``log(cumsum(exp(x - max)))`` would underflow, at O(n^2) memory."""
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+    table = torch.where(keep, x.unsqueeze(-2), torch.full_like(x.unsqueeze(-2), -math.inf))
+    return torch.logsumexp(table, dim=-1).movedim(-1, dim)
+
+
+def embedding_renorm_(weight: torch.Tensor, indices: torch.Tensor, max_norm: float,
+                      norm_type: float) -> torch.Tensor:
+    """nn.Embedding(max_norm=): the rows ``indices`` names whose norm exceeds
+    ``max_norm`` are scaled to it, in place (torch's ``max_norm / (norm + 1e-7)``)."""
+    rows = weight.shape[0]
+    used = torch.zeros(rows, dtype=weight.dtype, device=weight.device).index_fill(
+        0, indices.reshape(-1), 1.0) > 0
+    norms = torch.linalg.vector_norm(weight, norm_type, dim=1)
+    scale = torch.where(used & (norms > max_norm), max_norm / (norms + 1e-7),
+                        torch.ones_like(norms))
+    return weight.mul_(scale.unsqueeze(1))
+
+
+def cholesky_ex(a: torch.Tensor, upper: bool = False, check_errors: bool = False):
+    info = torch.zeros(a.shape[:-2], dtype=torch.int32, device=a.device)
+    return torch.ops.aten.cholesky.default(a, upper), info
+
+
+def solve_triangular(a: torch.Tensor, b: torch.Tensor, *, upper: bool, left: bool = True,
+                     unitriangular: bool = False) -> torch.Tensor:
+    """``linalg.solve_triangular`` as XLA's ``triangular_solve`` (X A = B is the
+    transposed system A^T X^T = B^T)."""
+    solve = torch.ops.aten.triangular_solve.default
+    if left:
+        return solve(b, a, upper, False, unitriangular)[0]
+    return solve(b.mT, a, upper, True, unitriangular)[0].mT
+
+
+def searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None,
+                 sorter=None):
+    """The insertion points as counts of the boundaries before each value: O(n x
+    boundaries), static shapes."""
+    if sorter is not None:
+        sorted_sequence = sorted_sequence.gather(-1, sorter)
+    right = right or side == "right"
+    if sorted_sequence.dim() == 1:
+        b = sorted_sequence
+        v = values.unsqueeze(-1)
+    else:                                      # one boundary row per leading index
+        b = sorted_sequence.unsqueeze(-2)
+        v = values.unsqueeze(-1)
+    before = (b <= v) if right else (b < v)
+    return before.sum(-1).to(torch.int32 if out_int32 else torch.int64)
+
+
+def _no_check(*args, **kwargs) -> None:
+    return None
+
+
 def table() -> Dict[object, Callable]:
     """The decompositions for the ops that exist in this process (a library's custom
     ops exist once it is imported)."""
+    from . import dft, resample, special
     aten = torch.ops.aten
-    out: Dict[object, Callable] = {
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    out: Dict[object, Callable] = {op: f for op, f in resample.table().items()
+                                   if not has(op.name(), "XLA")}
+    out.update({
         aten.histc.default: histc,
         aten._weight_norm_interface_backward.default: weight_norm_backward,
         aten.median.dim: median_dim,
-    }
+        aten.exp2.default: exp2,
+        aten.hypot.default: hypot,
+        aten.fmax.default: fmax,
+        aten.fmin.default: fmin,
+        aten.signbit.default: signbit,
+        aten.copysign.Tensor: copysign,
+        aten.copysign.Scalar: copysign,
+        aten.round.decimals: round_decimals,
+        aten.cummin.default: cummin,
+        aten.logcumsumexp.default: logcumsumexp,
+        aten.embedding_renorm_.default: embedding_renorm_,
+        aten.linalg_cholesky_ex.default: cholesky_ex,
+        aten.linalg_solve_triangular.default: solve_triangular,
+        aten._linalg_check_errors.default: _no_check,
+        aten.searchsorted.Tensor: searchsorted,
+        aten.lgamma.default: special.lgamma,
+        aten.digamma.default: special.digamma,
+        aten.polygamma.default: special.polygamma,
+        aten._fft_c2c.default: dft.fft_c2c,
+        aten._fft_r2c.default: dft.fft_r2c,
+        aten._fft_c2r.default: dft.fft_c2r,
+    })
     if hasattr(torch.ops.aten, "_grouped_mm"):
         out[torch.ops.aten._grouped_mm.default] = _aten_grouped_mm
     try:
@@ -101,3 +242,123 @@ def table() -> Dict[object, Callable]:
     except (AttributeError, RuntimeError):
         pass                                   # transformers not imported
     return out
+
+
+# ----------------------------------------------------------------- above autograd
+# Ops whose *backward* XLA lacks (grid_sampler_2d_backward, _cdist_backward,
+# linalg_lu_solve) or whose torch kernel reads values (linalg.solve's LU): these public
+# functions are replaced while a program is traced, so autograd differentiates a formula
+# of ops XLA has (torch_paths.traceable applies them).
+
+def grid_sample(input, grid, mode="bilinear", padding_mode="zeros", align_corners=None):
+    """F.grid_sample on 4-d inputs: torch's own decomposition of grid_sampler_2d (the
+    same index and weight formulas as its CPU kernel), differentiated by autograd."""
+    if input.dim() != 4:
+        return NotImplemented
+    from torch._decomp.decompositions import grid_sampler_2d
+    modes = {"bilinear": 0, "nearest": 1, "bicubic": 2}
+    paddings = {"zeros": 0, "border": 1, "reflection": 2}
+    if mode not in modes or padding_mode not in paddings:
+        return NotImplemented                 # torch's own error
+    return grid_sampler_2d(input, grid, modes[mode], paddings[padding_mode],
+                           bool(align_corners))
+
+
+def _safe_root(s: torch.Tensor, p: float) -> torch.Tensor:
+    """s ** (1/p) with a zero gradient at 0, as torch's cdist backward gives."""
+    pos = s > 0
+    root = torch.where(pos, s, torch.ones_like(s)) ** (1.0 / p)
+    return torch.where(pos, root, torch.zeros_like(s))
+
+
+def cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
+    """torch.cdist by its own formulas: for p=2 the matmul expansion where torch uses
+    it (more than 25 rows on either side, or asked), else the differences."""
+    rows1, rows2 = x1.shape[-2], x2.shape[-2]
+    mm = p == 2 and (compute_mode == "use_mm_for_euclid_dist" or (
+        compute_mode == "use_mm_for_euclid_dist_if_necessary" and (rows1 > 25 or rows2 > 25)))
+    if mm:
+        d2 = (x1.pow(2).sum(-1, keepdim=True) - 2 * x1 @ x2.mT
+              + x2.pow(2).sum(-1).unsqueeze(-2)).clamp_min(0)
+        return _safe_root(d2, 2.0)
+    diff = (x1.unsqueeze(-2) - x2.unsqueeze(-3)).abs()
+    if p == 0:
+        return (diff != 0).sum(-1).to(x1.dtype)
+    if p == math.inf:
+        return diff.amax(-1)
+    if p == 1:
+        return diff.sum(-1)
+    return _safe_root(diff.pow(p).sum(-1), p)
+
+
+def solve(A, B, *, left=True, out=None):
+    """torch.linalg.solve as the inverse times B (torch factors A with an LU that XLA
+    does not have, and checks for singular A by reading a value)."""
+    if out is not None:
+        return NotImplemented
+    vector = B.dim() == 1 or (B.dim() == A.dim() - 1 and B.shape == A.shape[:-1])
+    inv = torch.linalg.inv(A)
+    if left:
+        return (inv @ B.unsqueeze(-1)).squeeze(-1) if vector else inv @ B
+    return (B.unsqueeze(-2) @ inv).squeeze(-2) if vector else B @ inv
+
+
+class _SlogDet(torch.autograd.Function):
+    """slogdet with the gradient of log|det A|, inv(A)^T (torch's goes through the LU
+    factors, which XLA does not have)."""
+
+    @staticmethod
+    def forward(ctx, A):
+        sign, logabs, _, _ = torch.ops.aten._linalg_slogdet.default(A)
+        ctx.save_for_backward(A)
+        ctx.mark_non_differentiable(sign)
+        return sign, logabs
+
+    @staticmethod
+    def backward(ctx, _grad_sign, grad_logabs):
+        A, = ctx.saved_tensors
+        return grad_logabs[..., None, None] * torch.linalg.inv(A).mT
+
+
+def slogdet(A, *, out=None):
+    if out is not None or A.is_complex():
+        return NotImplemented
+    from torch.return_types import slogdet as result
+    return result(_SlogDet.apply(A))
+
+
+def det(A, *, out=None):
+    if out is not None or A.is_complex():
+        return NotImplemented
+    sign, logabs = _SlogDet.apply(A)
+    return sign * torch.exp(logabs)
+
+
+def logdet(A):
+    if A.is_complex():
+        return NotImplemented
+    sign, logabs = _SlogDet.apply(A)
+    return torch.where(sign < 0, torch.full_like(logabs, math.nan), logabs)
+
+
+def rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False):
+    """Evaluation-mode RReLU is a leaky ReLU with the mean slope (training draws a
+    slope per element, left to torch)."""
+    if training:
+        return NotImplemented
+    import torch.nn.functional as F
+    return F.leaky_relu(input, (lower + upper) / 2, inplace)
+
+
+def above_autograd() -> Dict[Callable, Callable]:
+    """{public torch function: formula}, applied while a program is traced."""
+    import torch.nn.functional as F
+    return {
+        F.grid_sample: grid_sample,
+        torch.cdist: cdist,
+        torch.linalg.solve: solve,
+        torch.linalg.slogdet: slogdet, torch.slogdet: slogdet, torch.Tensor.slogdet: slogdet,
+        torch.linalg.det: det, torch.det: det, torch.Tensor.det: det,
+        torch.logdet: logdet, torch.Tensor.logdet: logdet,
+        F.rrelu: rrelu,
+    }

@@ -48,6 +48,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from . import lowerings
+
 
 _AUTOCAST_DEVICES = ("cpu", "xla", "cuda")
 
@@ -104,7 +106,10 @@ def traceable() -> Iterator[None]:
     cpu_autocast = (torch.autocast("cpu", dtype=device_autocast[0])
                     if device_autocast and not torch.is_autocast_enabled("cpu")
                     else contextlib.nullcontext())
-    with tc.set_stance("force_eager"), cpu_autocast:
+    from torch.distributions import Distribution
+    validate = Distribution._validate_args
+    with tc.set_stance("force_eager"), cpu_autocast, _Formulas(lowerings.above_autograd()):
+        Distribution.set_default_validate_args(False)
         torch._C._set_mkldnn_enabled(False)
         torch.backends.mha.set_fastpath_enabled(False)
         encoder.forward = forward
@@ -118,6 +123,25 @@ def traceable() -> Iterator[None]:
             encoder.forward = original
             torch.backends.mha.set_fastpath_enabled(fastpath)
             torch._C._set_mkldnn_enabled(mkldnn)
+            Distribution.set_default_validate_args(validate)
+
+
+class _Formulas(torch.overrides.TorchFunctionMode):
+    """Calls to the public functions of ``table`` run its formula instead (lowerings.py:
+    ops whose backward XLA lacks, differentiated by autograd from the formula)."""
+
+    def __init__(self, table: dict) -> None:
+        super().__init__()
+        self.table = table
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        formula = self.table.get(func)
+        if formula is not None:
+            out = formula(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
 
 
 def _out_size(input, output_size):
