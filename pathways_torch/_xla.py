@@ -1,4 +1,5 @@
-"""torch_xla, imported without changing torch for the user's own code.
+"""torch_xla, imported without changing torch for the user's own code; and which ops it
+runs on the CPU.
 
 Importing torch_xla replaces, for the whole process, ``torch.nn.GRU`` with its
 scan-based GRU (which refuses ``proj_size`` and PackedSequence and warns on
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
+from typing import Callable, List
 
 
 def import_torch_xla() -> ModuleType:
@@ -31,3 +33,21 @@ def import_torch_xla() -> ModuleType:
     nn.GRU = gru
     nn.utils.clip_grad_norm_ = clip
     return torch_xla
+
+
+def cpu_fallbacks(run: Callable[[], object]) -> List[str]:
+    """The ops torch_xla ran on the CPU (its fallback) while ``run()`` ran, as
+    ``torch.<op>`` names, from its fallback counters. An exception from ``run`` counts
+    as no answer about it (its fallbacks until then are still returned)."""
+    import torch_xla.debug.metrics as met
+
+    def counts():
+        return {c: met.counter_value(c) for c in met.counter_names() if c.startswith("aten::")}
+
+    before = counts()
+    try:
+        run()
+    except Exception:
+        pass
+    after = counts()
+    return sorted(c.replace("aten::", "torch.") for c in after if after[c] != before.get(c))

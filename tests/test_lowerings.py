@@ -1,7 +1,7 @@
 """Ops torch_xla cannot compile, computed by formula: values and gradients equal torch's.
 
 torch_xla has no lowering for some ops real models use (bicubic and 1-d/3-d
-interpolation backwards, grid_sample's backward, cdist's backward, det/slogdet/solve,
+interpolation backwards, and off a TPU the nearest and bilinear 2-d ones, grid_sample's backward, cdist's backward, det/slogdet/solve,
 Cholesky, cummin, logcumsumexp, lgamma/digamma (torch.distributions), torch.fft,
 nn.Embedding(max_norm=)...). Capture computes each from
 ops XLA has (lowerings.py, resample.py). Every case runs the same function in a program
@@ -47,6 +47,11 @@ CASES = {
                                 IMG),
     "interpolate trilinear": (lambda x: F.interpolate(x[:, None], size=(4, 11, 6),
                                                       mode="trilinear"), IMG),
+    "interpolate nearest 2-d (U-Net)": (lambda x: F.interpolate(x, scale_factor=2), IMG),
+    "interpolate bilinear 2-d": (lambda x: F.interpolate(x, size=(13, 11), mode="bilinear"),
+                                 IMG),
+    "interpolate bilinear 2-d, align_corners, down": (lambda x: F.interpolate(
+        x, size=(5, 3), mode="bilinear", align_corners=True), IMG),
     "interpolate bicubic": (lambda x: F.interpolate(x, size=(13, 5), mode="bicubic"), IMG),
     "interpolate bicubic, align_corners": (lambda x: F.interpolate(
         x, scale_factor=1.5, mode="bicubic", align_corners=True), IMG),

@@ -36,7 +36,9 @@ def s2(cluster8):
 
 
 def _optimizer(name):
-    if name in ("resnet", "convnext"):
+    # AdamW turns float noise in a zero gradient (a bias before a batch norm) into a
+    # full step of either sign: the models with batch norm train with SGD
+    if name in ("resnet", "convnext", "segformer"):
         return lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)
     return lambda ps: torch.optim.AdamW(ps, lr=1e-3)
 

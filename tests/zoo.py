@@ -95,6 +95,40 @@ def mixtral():
         max_position_embeddings=64, bos_token_id=0, eos_token_id=0))
 
 
+def segformer():
+    """Semantic segmentation: bilinear upsampling in the decode head and of the logits
+    to the labels' size, whose backward torch_xla lowers only on a TPU."""
+    import transformers
+    return transformers.SegformerForSemanticSegmentation(transformers.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+        patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+        decoder_hidden_size=32, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, drop_path_rate=0.0))
+
+
+def segformer_batch(g):
+    return {"pixel_values": torch.randn(4, 3, 32, 32, generator=g),
+            "labels": torch.randint(0, 3, (4, 32, 32), generator=g)}
+
+
+def deberta():
+    """Relative-position attention with log buckets. Its default classification loss
+    filters labels with ``nonzero`` (a shape that depends on data): the problem type
+    says which loss, as a user of pathways_torch must."""
+    import transformers
+    return transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=V, num_labels=3, problem_type="single_label_classification",
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, relative_attention=True,
+        pos_att_type=["p2c", "c2p"], max_relative_positions=16, position_buckets=8))
+
+
+def classify_batch(g):
+    b = _lm_batch(g)
+    b["labels"] = torch.randint(0, 3, (4,), generator=g)
+    return b
+
+
 def resnet():
     from torchvision.models.resnet import BasicBlock, ResNet
     return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=4)
@@ -121,6 +155,8 @@ MODELS = {
     "mixtral": (mixtral, _lm_batch, None),
     "resnet": (resnet, image_batch, torch.nn.functional.cross_entropy),
     "convnext": (convnext, image_batch, torch.nn.functional.cross_entropy),
+    "segformer": (segformer, segformer_batch, None),
+    "deberta": (deberta, classify_batch, None),
 }
 
 

@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
+from .._xla import cpu_fallbacks
 from ..errors import DataDependentError, PathwaysError, ShapeError, TraceError
 from . import lowerings, remat, torch_paths
 
@@ -174,7 +175,6 @@ def _falls_back(op, node, device) -> List[str]:
     some arguments (``scatter_reduce`` with ``"amax"``); on a placeholder that fallback
     aborts the process. Lazy ops do not run, so a probe costs a dispatch; cached per
     op, argument ranks and dtypes and the other arguments."""
-    import torch_xla.debug.metrics as met
     sizes, key = [], [op]
 
     def real(n):
@@ -196,18 +196,11 @@ def _falls_back(op, node, device) -> List[str]:
     if sum(sizes) > _PROBE_LIMIT:
         return []
 
-    def counts():
-        return {c: met.counter_value(c) for c in met.counter_names() if c.startswith("aten::")}
-
-    before = counts()
-    try:
+    def run():
         with torch.no_grad():
             op(*args, **kwargs)
-    except Exception:               # zeros are no valid input for it; the replay will say
-        pass
-    after = counts()
-    _FALLBACKS[key] = sorted(c.replace("aten::", "torch.") for c in after
-                             if after[c] != before.get(c))
+
+    _FALLBACKS[key] = cpu_fallbacks(run)
     return _FALLBACKS[key]
 
 
@@ -306,7 +299,8 @@ def _from_shape_check(e: BaseException) -> bool:
     return False
 
 
-def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[Any, dict]:
+def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args,
+           device) -> Tuple[Any, dict]:
     """The functional ATen graph of ``fn`` on ``fakes``; info: output tree and statics."""
     from torch.fx.experimental.proxy_tensor import make_fx
     info: dict = {}
@@ -320,7 +314,7 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args) -> Tuple[
         info["statics"] = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
-    table = {**_decompositions(), **lowerings.table()}
+    table = {**_decompositions(), **lowerings.table(device)}
     try:
         with _compiling(), _quiet("torch._subclasses.fake_tensor"), remat.tagging():
             joint = make_fx(flat_fn, tracing_mode="fake", decomposition_table=table,
@@ -506,7 +500,7 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fakes = [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in in_avals]
         del mode
-        gm, info = _graph(fn, name, sig, fakes, build_args)
+        gm, info = _graph(fn, name, sig, fakes, build_args, dev)
         _check_ops(gm, name, dev)
         import torch_xla
         import torch_xla.core.xla_model as xm

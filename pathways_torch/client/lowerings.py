@@ -17,7 +17,7 @@ where torch would raise).
 
 Example::
 
-    table = lowerings.table()          # {op overload: python decomposition}
+    table = lowerings.table(device)    # {op overload: python decomposition}
 """
 
 from __future__ import annotations
@@ -199,14 +199,13 @@ def _no_check(*args, **kwargs) -> None:
     return None
 
 
-def table() -> Dict[object, Callable]:
+def table(device) -> Dict[object, Callable]:
     """The decompositions for the ops that exist in this process (a library's custom
-    ops exist once it is imported)."""
+    ops exist once it is imported), where torch_xla on ``device`` lacks them."""
     from . import dft, resample, special
     aten = torch.ops.aten
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
     out: Dict[object, Callable] = {op: f for op, f in resample.table().items()
-                                   if not has(op.name(), "XLA")}
+                                   if not resample.lowered_on(op, str(device))}
     out.update({
         aten.histc.default: histc,
         aten._weight_norm_interface_backward.default: weight_norm_backward,

@@ -1,6 +1,8 @@
 """torch's interpolation (``F.interpolate``) as gathers and weighted sums, for the modes
-whose XLA lowering is missing: the forward of bicubic, the backward of nearest (1-d,
-3-d, nearest-exact), linear, trilinear and bicubic.
+whose XLA lowering is missing: the forward of bicubic, the backward of every mode, and
+any whose lowering the device lacks (torch_xla lowers nearest and bilinear 2-d
+backwards with a TPU custom call and runs them on the CPU elsewhere: a U-Net's or an
+FPN's upsampling).
 
 Each mode is separable: output position ``o`` along one dimension reads a few input
 positions (taps) with fixed weights, which torch's CPU kernels compute from the sizes,
@@ -17,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -136,6 +139,8 @@ def backward(mode: str, grad: torch.Tensor, input_size: Sequence[int], align_cor
 
 
 _MODES = {                                   # aten name: (mode, takes align_corners)
+    "upsample_nearest2d": ("nearest", False),
+    "upsample_bilinear2d": ("linear", True),
     "upsample_nearest1d": ("nearest", False),
     "upsample_nearest3d": ("nearest", False),
     "_upsample_nearest_exact1d": ("nearest-exact", False),
@@ -163,6 +168,28 @@ def table() -> dict:
         out[getattr(aten, name).default] = fwd
         out[getattr(aten, name + "_backward").default] = bwd
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def lowered_on(op, device: str) -> bool:
+    """Whether torch_xla on ``device`` compiles ``op`` (an op of ``table``) itself: it
+    has a kernel, and that kernel does not fall back to the CPU for a small example."""
+    from .._xla import cpu_fallbacks
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "XLA"):
+        return False
+    name = op._schema.name.split("::")[-1]
+    backward = name.endswith("_backward")
+    base = name[:-len("_backward")] if backward else name
+    k = int(base[-2])                             # upsample_bilinear2d -> 2
+    _, has_ac = _MODES[base]
+    out, size = [5] * k, [1, 2] + [3] * k
+    rest = ([False] if has_ac else []) + [None] * k
+    dev = torch.device(device)
+    if backward:
+        args = [torch.ones([1, 2] + out, device=dev), out, size] + rest
+    else:
+        args = [torch.ones(size, device=dev), out] + rest
+    return not cpu_fallbacks(lambda: op(*args))
 
 
 def _padded(scales: Sequence[Optional[float]], k: int) -> Tuple[Optional[float], ...]:
