@@ -195,6 +195,36 @@ def searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=
     return before.sum(-1).to(torch.int32 if out_int32 else torch.int64)
 
 
+def scatter_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
+                   reduce: str, *, include_self: bool = True) -> torch.Tensor:
+    """``scatter_reduce`` where torch_xla lowers only ``include_self=True`` and not
+    "mean" (graph libraries aggregate with ``include_self=False``): the positions no
+    index names keep ``self``; the others start from the reduction's identity (or from
+    ``self``) and take XLA's sum, prod, amax or amin; a mean divides by the count."""
+    count = torch.zeros_like(self).scatter_add(dim, index, torch.ones_like(src))
+    touched = count > 0
+    if reduce in ("sum", "mean"):
+        base = self if include_self else torch.where(touched, torch.zeros_like(self), self)
+        total = base.scatter_add(dim, index, src)
+        if reduce == "sum":
+            return total
+        n = count + 1 if include_self else count.clamp_min(1)
+        mean = total / n if self.is_floating_point() else torch.div(total, n,
+                                                                    rounding_mode="floor")
+        return torch.where(touched, mean.to(self.dtype), self)
+    if include_self:
+        return NotImplemented
+    if reduce == "prod":
+        identity = 1
+    elif self.is_floating_point():
+        identity = -math.inf if reduce == "amax" else math.inf
+    else:
+        info = torch.iinfo(self.dtype)
+        identity = info.min if reduce == "amax" else info.max
+    base = torch.where(touched, torch.full_like(self, identity), self)
+    return torch.ops.aten.scatter_reduce.two(base, dim, index, src, reduce, include_self=True)
+
+
 def _no_check(*args, **kwargs) -> None:
     return None
 
@@ -225,6 +255,7 @@ def table(device) -> Dict[object, Callable]:
         aten.linalg_solve_triangular.default: solve_triangular,
         aten._linalg_check_errors.default: _no_check,
         aten.searchsorted.Tensor: searchsorted,
+        aten.scatter_reduce.two: scatter_reduce,
         aten.lgamma.default: special.lgamma,
         aten.digamma.default: special.digamma,
         aten.polygamma.default: special.polygamma,
