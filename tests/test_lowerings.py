@@ -77,6 +77,12 @@ CASES = {
     "cholesky": (lambda x: torch.linalg.cholesky(x @ x.mT + torch.eye(5)), SPD),
     "solve_triangular": (lambda x: torch.linalg.solve_triangular(
         x.tril() + 4 * torch.eye(5), x, upper=False), SPD),
+    "matrix_exp": (lambda x: torch.linalg.matrix_exp(x - x.mT), SQ * 0.5),
+    "householder_product": (lambda x: torch.linalg.householder_product(
+        x[..., :3], x[..., 0, :3].sigmoid() + 0.5), SQ),
+    "multi_margin_loss": (lambda x: F.multi_margin_loss(x, torch.tensor([1, 5, 0, 9])), VEC),
+    "multilabel_margin_loss": (lambda x: F.multilabel_margin_loss(
+        x, torch.tensor([[1, 3, -1] + [0] * 13] * 4), reduction="sum"), VEC),
     "cummin": (lambda x: torch.cummin(x, 1).values, VEC),
     "logcumsumexp": (lambda x: torch.logcumsumexp(x * 30, 1), VEC),
     "exp2": (torch.exp2, VEC),
@@ -178,8 +184,9 @@ def test_distributions_log_prob_and_sampling_free_losses_equal_torch(s1):
 
 class Warp(nn.Module):
     """A spatial transformer: a predicted affine grid, grid_sample, then a positional
-    map resized bicubically (ViT's position-embedding interpolation) and an embedding
-    bag with max_norm (its renorm writes the table in place)."""
+    map resized bicubically (ViT's position-embedding interpolation), an embedding with
+    max_norm (its renorm writes the table in place) and an orthogonal parametrization
+    (a matrix exponential)."""
 
     def __init__(self):
         super().__init__()
@@ -189,6 +196,7 @@ class Warp(nn.Module):
             self.loc.bias.copy_(torch.tensor([0.9, 0.1, 0.0, -0.1, 0.9, 0.0]))
         self.pos = nn.Parameter(torch.randn(1, 3, 4, 4) * 0.1)
         self.emb = nn.Embedding(10, 8, max_norm=1.0)
+        self.rot = nn.utils.parametrizations.orthogonal(nn.Linear(8, 8))   # matrix_exp
         self.head = nn.Linear(3 * 8 * 8 + 8, 5)
 
     def forward(self, x):
@@ -197,7 +205,7 @@ class Warp(nn.Module):
         x = F.grid_sample(x, grid, align_corners=False)
         x = x + F.interpolate(self.pos, size=x.shape[-2:], mode="bicubic", align_corners=False)
         tokens = (x.mean((1, 2, 3)) * 10).long().clamp(0, 9).unsqueeze(1)
-        return self.head(torch.cat([x.flatten(1), self.emb(tokens).sum(1)], 1))
+        return self.head(torch.cat([x.flatten(1), self.rot(self.emb(tokens).sum(1))], 1))
 
 
 def test_a_model_that_needs_the_formulas_trains_like_torch(s1):

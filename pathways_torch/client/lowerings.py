@@ -276,7 +276,9 @@ def table(device) -> Dict[object, Callable]:
 
 # ----------------------------------------------------------------- above autograd
 # Ops whose *backward* XLA lacks (grid_sampler_2d_backward, _cdist_backward,
-# linalg_lu_solve) or whose torch kernel reads values (linalg.solve's LU): these public
+# linalg_lu_solve, the margin losses') or whose torch kernel reads values
+# (linalg.solve's LU, matrix_exp's choice of degree), or that XLA lacks and whose
+# backward is best left to autograd (householder_product): these public
 # functions are replaced while a program is traced, so autograd differentiates a formula
 # of ops XLA has (torch_paths.traceable applies them).
 
@@ -380,6 +382,74 @@ def rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False):
     return F.leaky_relu(input, (lower + upper) / 2, inplace)
 
 
+def matrix_exp(A, *, out=None):
+    """exp(A) by scaling and squaring: A / 2^12, a degree-10 Taylor polynomial, 12
+    squarings. torch picks the degree and scaling from the norm, a value this formula
+    cannot read; a fixed scaling this deep loses I + small in float32, so it carries
+    exp(X) - I instead ((I + F)^2 - I = 2F + F^2) and adds I at the end: float32
+    within 2e-6 of float64 for norms up to ~60, as torch's own float32. The gradient
+    comes from autograd through the matmuls."""
+    if out is not None:
+        return NotImplemented
+    s, degree = 12, 10
+    X = A / (2.0 ** s)
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A)
+    P = eye                                   # sum_j X^j / (j + 1)!, by Horner
+    for k in range(degree, 1, -1):
+        P = eye + (X @ P) / k
+    F = X @ P                                 # exp(X) - I
+    for _ in range(s):
+        F = 2 * F + F @ F
+    return eye + F
+
+
+def householder_product(A, tau, *, out=None):
+    """Q = H_1 ... H_k with H_i = I - tau_i v_i v_i^H (v_i: column i of A below the
+    diagonal, 1 on it), its first n columns: k rank-one updates (the orthogonal
+    parametrization's "householder" map)."""
+    if out is not None:
+        return NotImplemented
+    m, n = A.shape[-2], A.shape[-1]
+    rows = torch.arange(m, device=A.device)
+    Q = torch.eye(m, n, dtype=A.dtype, device=A.device).expand(*A.shape[:-2], m, n)
+    for i in reversed(range(tau.shape[-1])):
+        v = torch.where(rows > i, A[..., :, i], (rows == i).to(A.dtype))
+        t = tau[..., i, None, None]
+        Q = Q - t * v.unsqueeze(-1) * (v.conj().unsqueeze(-2) @ Q)
+    return Q
+
+
+_REDUCTION = {"none": 0, "mean": 1, "sum": 2}
+
+
+def multi_margin_loss(input, target, p=1, margin=1.0, weight=None, size_average=None,
+                      reduce=None, reduction="mean"):
+    """torch's decomposition, differentiated by autograd (XLA lacks the backward)."""
+    if size_average is not None or reduce is not None or reduction not in _REDUCTION:
+        return NotImplemented
+    from torch._decomp.decompositions import multi_margin_loss as decomposed
+    return decomposed(input, target, p, margin, weight, _REDUCTION[reduction])
+
+
+def multilabel_margin_loss(input, target, size_average=None, reduce=None, reduction="mean"):
+    """sum over target classes j and other classes k of max(0, 1 - x[j] + x[k]) / C,
+    the targets being each row's prefix before the first -1 (torch's own decomposition
+    of this loss gives other numbers than its kernel)."""
+    if size_average is not None or reduce is not None or reduction not in _REDUCTION:
+        return NotImplemented
+    vector = input.dim() == 1
+    x, t = (input.unsqueeze(0), target.unsqueeze(0)) if vector else (input, target)
+    valid = (t < 0).to(x.dtype).cumsum(-1) == 0              # before the first -1
+    tgt = t.clamp_min(0)
+    chosen = torch.zeros_like(x).scatter_add(-1, tgt, valid.to(x.dtype)) > 0
+    x_t = x.gather(-1, tgt)
+    margins = (1 - x_t.unsqueeze(-1) + x.unsqueeze(-2)).clamp_min(0)      # [N, j, k]
+    mask = valid.unsqueeze(-1) & ~chosen.unsqueeze(-2)
+    loss = (margins * mask).sum((-1, -2)) / x.shape[-1]
+    loss = loss[0] if vector else loss
+    return {"none": loss, "mean": loss.mean(), "sum": loss.sum()}[reduction]
+
+
 def above_autograd() -> Dict[Callable, Callable]:
     """{public torch function: formula}, applied while a program is traced."""
     import torch.nn.functional as F
@@ -391,4 +461,10 @@ def above_autograd() -> Dict[Callable, Callable]:
         torch.linalg.det: det, torch.det: det, torch.Tensor.det: det,
         torch.logdet: logdet, torch.Tensor.logdet: logdet,
         F.rrelu: rrelu,
+        torch.linalg.matrix_exp: matrix_exp, torch.matrix_exp: matrix_exp,
+        torch.Tensor.matrix_exp: matrix_exp,
+        torch.linalg.householder_product: householder_product,
+        torch.orgqr: householder_product, torch.Tensor.orgqr: householder_product,
+        F.multi_margin_loss: multi_margin_loss,
+        F.multilabel_margin_loss: multilabel_margin_loss,
     }
