@@ -3,7 +3,8 @@
 torch_xla has no lowering for some ops real models use (bicubic and 1-d/3-d
 interpolation backwards, and off a TPU the nearest and bilinear 2-d ones, grid_sample's backward, cdist's backward, det/slogdet/solve,
 Cholesky, cummin, logcumsumexp, lgamma/digamma (torch.distributions), torch.fft,
-scatter_reduce with include_self=False or "mean", nn.Embedding(max_norm=)...). Capture computes each from
+scatter_reduce with include_self=False or "mean", CTC loss, quantile,
+nn.Embedding(max_norm=)...). Capture computes each from
 ops XLA has (lowerings.py, resample.py). Every case runs the same function in a program
 and in plain torch on the CPU, same input and the same random output weighting, and
 compares the value and the input's gradient: within 1e-5, or the looser bound
@@ -39,6 +40,8 @@ GRID = torch.rand(2, 6, 5, 2, generator=_G) * 2.4 - 1.2       # some points outs
 SPD = torch.randn(3, 5, 5, generator=_G)
 SQ = torch.randn(3, 4, 4, generator=_G) + 3 * torch.eye(4)
 EDGES = torch.tensor([0, 2, 0, 2])[:, None].expand(4, 16)      # row 1 gets nothing
+LOGITS = torch.randn(10, 3, 5, generator=_G)                     # frames, batch, classes
+CTC_TARGETS = torch.tensor([[1, 1, 3, 2], [2, 4, 0, 0], [0, 0, 0, 0]])   # a repeat; padding
 
 CASES = {
     "interpolate linear 1-d": (lambda x: F.interpolate(x.flatten(1, 2), scale_factor=2.5,
@@ -83,6 +86,20 @@ CASES = {
     "multi_margin_loss": (lambda x: F.multi_margin_loss(x, torch.tensor([1, 5, 0, 9])), VEC),
     "multilabel_margin_loss": (lambda x: F.multilabel_margin_loss(
         x, torch.tensor([[1, 3, -1] + [0] * 13] * 4), reduction="sum"), VEC),
+    "ctc_loss, padded targets": (lambda x: F.ctc_loss(
+        x.log_softmax(-1), CTC_TARGETS, torch.tensor([10, 7, 4]), torch.tensor([4, 2, 0]),
+        reduction="none"), LOGITS),
+    "ctc_loss, concatenated targets, mean": (lambda x: F.ctc_loss(
+        x.log_softmax(-1), torch.cat([CTC_TARGETS[0], CTC_TARGETS[1, :2]]),
+        torch.tensor([10, 7, 4]), torch.tensor([4, 2, 0])), LOGITS),
+    "nn.CTCLoss, zero_infinity (an impossible alignment)": (lambda x: nn.CTCLoss(
+        blank=4, zero_infinity=True)(x.log_softmax(-1), CTC_TARGETS.clamp(max=3),
+                                     (10, 3, 9), (4, 4, 3)), LOGITS),
+    "quantile": (lambda x: torch.quantile(x, torch.tensor([0.1, 0.5, 0.75]), dim=1), VEC),
+    "quantile, nearest, keepdim": (lambda x: x.quantile(0.3, dim=0, keepdim=True,
+                                                        interpolation="nearest"), VEC),
+    "gaussian_nll_loss": (lambda x: F.gaussian_nll_loss(
+        x[:, :8], x[:, 8:].flip(1), x[:, 0].abs() + 0.1, reduction="none"), VEC),
     "cummin": (lambda x: torch.cummin(x, 1).values, VEC),
     "logcumsumexp": (lambda x: torch.logcumsumexp(x * 30, 1), VEC),
     "exp2": (torch.exp2, VEC),
@@ -155,6 +172,47 @@ REFUSED = {
     "torch.linalg_qr": lambda x: torch.linalg.qr(x).R,
     "torch.linalg_eig": lambda x: torch.linalg.eigvals(x[:, :4]).real,
 }
+
+
+class Speech(nn.Module):
+    """A CTC acoustic model: frames through a convolution, per-frame class scores, and
+    the CTC loss of the batch's padded transcripts (lengths are tensors of the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(6, 12, 3, padding=1)
+        self.out = nn.Linear(12, 5)
+
+    def forward(self, frames, targets, frame_lengths, target_lengths):
+        h = F.relu(self.conv(frames.transpose(1, 2))).transpose(1, 2)
+        logp = self.out(h).log_softmax(-1).transpose(0, 1)         # [T, N, C]
+        return {"loss": nn.CTCLoss(blank=0)(logp, targets, frame_lengths, target_lengths)}
+
+
+def test_a_ctc_model_trains_like_torch(s1):
+    """torch's CTC kernel reads the lengths as numbers; the recursion here takes them
+    as tensors of the batch, so one program serves every batch of these shapes."""
+    torch.manual_seed(0)
+    ref = Speech()
+    model = Speech()
+    model.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(3)
+    data = [{"frames": torch.randn(4, 12, 6, generator=g),
+             "targets": torch.randint(1, 5, (4, 5), generator=g),
+             "frame_lengths": torch.tensor([12, 11, 9, 12]),
+             "target_lengths": torch.tensor([5, 3, 4, 1]) - k % 2} for k in range(3)]
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for b in data:
+        opt.zero_grad()
+        loss = ref(**b)["loss"]
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    tr = pw.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, slice=s1)
+    got = [float(tr.step(b)) for b in data]
+    assert got == pytest.approx(want, abs=TOL, rel=TOL)
+    assert not math.isclose(want[0], want[-1])
 
 
 @pytest.mark.parametrize("op", list(REFUSED))

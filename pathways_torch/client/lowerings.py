@@ -450,9 +450,69 @@ def multilabel_margin_loss(input, target, size_average=None, reduce=None, reduct
     return {"none": loss, "mean": loss.mean(), "sum": loss.sum()}[reduction]
 
 
+def quantile(input, q, dim=None, keepdim=False, *, interpolation="linear", out=None):
+    """torch.quantile from a sort: the rank q * (n - 1) between two order statistics
+    (torch's kernel checks q's range by reading it); a row with a NaN gives NaN."""
+    if out is not None or interpolation not in ("linear", "lower", "higher", "nearest",
+                                                "midpoint"):
+        return NotImplemented
+    scalar_q = not isinstance(q, torch.Tensor) or q.dim() == 0
+    x = input.reshape(-1) if dim is None else input
+    d = 0 if dim is None else dim % max(x.dim(), 1)
+    srt = x.sort(d).values.movedim(d, -1)                        # [..., n]
+    n = srt.shape[-1]
+    qs = torch.as_tensor(q, dtype=srt.dtype, device=srt.device).reshape(-1)
+    rank = qs * (n - 1)
+    lo = rank.floor().long().clamp(0, n - 1)
+    hi = rank.ceil().long().clamp(0, n - 1)
+    if interpolation == "nearest":
+        lo = hi = rank.round().long().clamp(0, n - 1)
+    a, b = srt[..., lo], srt[..., hi]                            # [..., len(q)]
+    if interpolation in ("linear", "nearest"):
+        frac = (rank - lo.to(rank.dtype)) if interpolation == "linear" else torch.zeros_like(rank)
+        res = torch.lerp(a, b, frac.expand_as(a))
+    elif interpolation == "lower":
+        res = a
+    elif interpolation == "higher":
+        res = b
+    else:
+        res = (a + b) / 2
+    res = torch.where(torch.isnan(srt[..., -1:]), torch.full_like(res, math.nan), res)
+    res = res.movedim(-1, 0)                                     # [len(q), ...]
+    if keepdim:
+        res = res.unsqueeze(d + 1) if dim is not None else res.reshape(
+            (len(qs),) + (1,) * input.dim())
+    return res[0] if scalar_q else res
+
+
+def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    """F.gaussian_nll_loss without its check that no variance is negative (a value
+    read); the variance is clamped to ``eps`` as torch does."""
+    if isinstance(var, (int, float)):
+        if var < 0:
+            raise ValueError("var has negative entry/entries")
+        var = var * torch.ones_like(input)
+    if var.size() != input.size():
+        if input.size()[:-1] == var.size():
+            var = var.unsqueeze(-1)
+        elif not (input.size()[:-1] == var.size()[:-1] and var.size(-1) == 1):
+            return NotImplemented                 # torch's own error
+    if reduction not in ("none", "mean", "sum"):
+        return NotImplemented
+    var = var.clone()
+    with torch.no_grad():
+        var.clamp_(min=eps)
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return {"none": loss, "mean": loss.mean(), "sum": loss.sum()}[reduction]
+
+
 def above_autograd() -> Dict[Callable, Callable]:
     """{public torch function: formula}, applied while a program is traced."""
     import torch.nn.functional as F
+
+    from . import ctc
     return {
         F.grid_sample: grid_sample,
         torch.cdist: cdist,
@@ -467,4 +527,7 @@ def above_autograd() -> Dict[Callable, Callable]:
         torch.orgqr: householder_product, torch.Tensor.orgqr: householder_product,
         F.multi_margin_loss: multi_margin_loss,
         F.multilabel_margin_loss: multilabel_margin_loss,
+        F.ctc_loss: ctc.ctc_loss,
+        torch.quantile: quantile, torch.Tensor.quantile: quantile,
+        F.gaussian_nll_loss: gaussian_nll_loss,
     }

@@ -29,6 +29,12 @@ a CPU, some of which XLA cannot lower:
 - **torch.compile.** A compiled module or function inside a program would run dynamo
   inside the trace; XLA compiles the whole program, so they run as the code they wrap
   (``torch.compiler.set_stance("force_eager")``).
+- **Functions whose backward XLA lacks.** ``F.grid_sample``, ``torch.cdist``,
+  ``linalg.solve``/``det``/``slogdet``, ``matrix_exp``, the margin losses, ...: a
+  ``TorchFunctionMode`` runs their formulas (``lowerings.above_autograd()``) in their
+  place, so autograd differentiates ops XLA has.
+- **torch.distributions' argument checks** read values (``validate_args`` is on by
+  default): off by default while tracing; the numbers are the same.
 
 The switches are process-wide while a trace runs (traces are serialized by capture's
 lock); another thread's torch code during a trace would take the same paths, with the
