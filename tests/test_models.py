@@ -69,9 +69,14 @@ def _train_both(name, parallelism, s):
     return expected, got, out, ref
 
 
-@pytest.mark.parametrize("parallelism", [pw.DataParallel, pw.FullyShardedDataParallel],
-                         ids=["dp", "fsdp"])
-@pytest.mark.parametrize("name", list(MODELS))
+#: models that test capture (ops, not sharding) train under DataParallel only
+CAPTURE_ONLY = ("segformer", "deberta")
+
+
+@pytest.mark.parametrize("name,parallelism", [
+    pytest.param(n, p, id=f"{n}-{pid}") for n in MODELS
+    for p, pid in ((pw.DataParallel, "dp"), (pw.FullyShardedDataParallel, "fsdp"))
+    if pid == "dp" or n not in CAPTURE_ONLY])
 def test_model_trains_like_plain_torch(name, parallelism, s2):
     expected, got, out, ref = _train_both(name, parallelism, s2)
     assert got == pytest.approx(expected, abs=TOL, rel=TOL), (name, got, expected)

@@ -364,7 +364,7 @@ def _cases():
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     c = lambda *s: torch.randn(*s, dtype=torch.complex64, generator=g)  # noqa: E731
     cases = []
-    for norm in NORMS:
+    for norm in NORMS:          # each function once, the normalizations in turn below
         cases += [
             ("fft c", lambda t, norm=norm: torch.fft.fft(t, norm=norm), c(3, 64)),
             ("fft r", lambda t, norm=norm: torch.fft.fft(t, norm=norm), r(5, 17)),
@@ -392,13 +392,15 @@ def _cases():
             ("ihfft", lambda t, norm=norm: torch.fft.ihfft(t, norm=norm), r(3, 10)),
             ("fftshift-free 1d n=1", lambda t, norm=norm: torch.fft.fft(t, norm=norm), c(3, 1)),
         ]
-    return cases
+    per_norm = len(cases) // len(NORMS)
+    return [cases[k % len(NORMS) * per_norm + k] for k in range(per_norm)]
 
 
 CASES = _cases()
 
 
-@pytest.mark.parametrize("idx", range(len(CASES)), ids=[f"{c[0]}-{i // 25}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("idx", range(len(CASES)), ids=[f"{c[0]}-{NORMS[i % len(NORMS)]}"
+                                                         for i, c in enumerate(CASES)])
 def test_fft_values(idx):
     name, f, t = CASES[idx]
     ref = f(t)
