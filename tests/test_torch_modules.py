@@ -255,3 +255,36 @@ def test_a_bfloat16_model_trains_like_torch(s2):
         assert a.dtype == torch.bfloat16, n
         torch.testing.assert_close(a, b, atol=2 ** -6, rtol=2 ** -6, msg=lambda m: f"{n}: {m}")
         assert not torch.equal(a, dict(model.named_parameters())[n]), f"{n} never moved"
+
+
+class Reentrant(nn.Module):
+    """torch.utils.checkpoint's reentrant form (torch's default when use_reentrant is
+    left out): once after a layer, once on the raw input (where torch gives the block's
+    parameters no gradient: no input requires grad), and checkpoint_sequential."""
+
+    def __init__(self):
+        super().__init__()
+        self.raw = nn.Linear(12, 16)
+        self.mid = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh())
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+        h = checkpoint(lambda t: F.relu(self.raw(t)), x, use_reentrant=True)
+        h = h + checkpoint(lambda t: self.mid[0](t).tanh(), h.detach().requires_grad_(),
+                           use_reentrant=True)
+        return self.out(checkpoint_sequential(self.mid, 2, h, use_reentrant=True))
+
+
+def test_reentrant_activation_checkpointing_trains_like_torch(s2):
+    """It used to fail the trace: the reentrant backward refuses torch.autograd.grad."""
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(6, 12, generator=g), torch.randint(0, 5, (6,), generator=g))
+            for _ in range(3)]
+    tr, model, ref = _train_both(Reentrant, s2, data=data)
+    out = copy.deepcopy(model)
+    tr.sync_to(out)
+    _assert_same_parameters(out, ref)
+    torch.manual_seed(0)
+    untouched = Reentrant()
+    torch.testing.assert_close(out.raw.weight, untouched.raw.weight)   # as torch: no grad

@@ -35,6 +35,12 @@ a CPU, some of which XLA cannot lower:
   place, so autograd differentiates ops XLA has.
 - **torch.distributions' argument checks** read values (``validate_args`` is on by
   default): off by default while tracing; the numbers are the same.
+- **Reentrant activation checkpointing** (``checkpoint(..., use_reentrant=True)``,
+  torch's default when the argument is left out) recomputes inside a backward that
+  refuses ``torch.autograd.grad``, which the step uses. It runs as the non-reentrant
+  form, which computes the same gradients (and which remat.py makes save memory);
+  as in torch, a block none of whose inputs requires grad gives its parameters no
+  gradient.
 
 The switches are process-wide while a trace runs (traces are serialized by capture's
 lock); another thread's torch code during a trace would take the same paths, with the
@@ -113,9 +119,11 @@ def traceable() -> Iterator[None]:
                     if device_autocast and not torch.is_autocast_enabled("cpu")
                     else contextlib.nullcontext())
     from torch.distributions import Distribution
+    import torch.utils.checkpoint as ckpt
     validate = Distribution._validate_args
     with tc.set_stance("force_eager"), cpu_autocast, _Formulas(lowerings.above_autograd()):
         Distribution.set_default_validate_args(False)
+        ckpt.CheckpointFunction.apply = staticmethod(_non_reentrant)
         torch._C._set_mkldnn_enabled(False)
         torch.backends.mha.set_fastpath_enabled(False)
         encoder.forward = forward
@@ -130,6 +138,25 @@ def traceable() -> Iterator[None]:
             torch.backends.mha.set_fastpath_enabled(fastpath)
             torch._C._set_mkldnn_enabled(mkldnn)
             Distribution.set_default_validate_args(validate)
+            del ckpt.CheckpointFunction.apply          # back to autograd.Function's
+
+
+def _non_reentrant(function, preserve_rng_state, *args):
+    """``CheckpointFunction.apply`` (the reentrant checkpoint) as the non-reentrant
+    one. The reentrant form's outputs require grad only if an input does: without one,
+    the block runs without gradients, as there."""
+    import torch.utils.checkpoint as ckpt
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        with torch.no_grad():
+            return function(*args)
+    gen = ckpt._checkpoint_without_reentrant_generator(function, preserve_rng_state,
+                                                       ckpt.noop_context_fn, "default",
+                                                       False, True, *args)
+    next(gen)
+    out = function(*args)
+    with contextlib.suppress(StopIteration):
+        next(gen)
+    return out
 
 
 class _Formulas(torch.overrides.TorchFunctionMode):
