@@ -869,3 +869,51 @@ def test_a_frozen_parameters_optimizer_state_survives_a_checkpoint(s2, tmp_path,
         got.append(float(tr2.step(x, y)))
     assert_losses(got, want, rtol=1e-5, atol=1e-6)
     assert_same_model(tr2.sync_to(copy.deepcopy(model2)), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("strat", ["dp", "pipeline"])
+def test_modules_put_in_eval_mode_stay_so_in_training_steps(s2, pipe_slices, strat):
+    """Fine-tuning with frozen batch norms: the model in train mode, its BatchNorm
+    layers set to .eval() (running statistics used, not updated; no dropout where a
+    Dropout is in eval), changed between steps. The step used to trace everything in
+    train mode, and torch_xla's batch norm backward failed in eval mode. A pipeline
+    normalizes each micro-batch by itself (GPipe's semantics), so there both stay
+    frozen: the running statistics are then the same for every micro-batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                          nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh(),
+                          nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    data = batches(4, seed=12)
+    plan = {1: (True, False), 2: (False, True), 3: (True, True)}   # which BN frozen
+    if strat == "pipeline":
+        plan = {i: (True, True) for i in range(4)}
+
+    def apply(m, i):
+        m.train()
+        for frozen, layer in zip(plan.get(i, (False, False)), (m[1], m[4])):
+            layer.train(not frozen)
+
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    want, _ = torch_train(ref, make_opt(ref.parameters()), data, each_step=apply)
+    got, tr = trainer_train(model, make_opt, data, apply,
+                            **dp_or_pipeline(strat, s2, pipe_slices))
+    assert_losses(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref, atol=1e-6)
+
+
+def test_a_model_left_in_eval_mode_trains_in_train_mode(s2):
+    """from_pretrained returns a model in eval mode, and a torch loop that validated
+    last leaves it so; trainer.step trains it in train mode (batch statistics, running
+    statistics updated), as Hugging Face's Trainer does, and leaves it in eval mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    data = batches(2, seed=13)
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1)
+    want, _ = torch_train(ref, make_opt(ref.parameters()), data)       # in train mode
+    model.eval()
+    got, tr = trainer_train(model, make_opt, data, lambda m, i: None, slice=s2)
+    assert_losses(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref, atol=1e-6)
+    assert not model.training and not model[1].training

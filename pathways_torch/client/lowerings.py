@@ -225,6 +225,18 @@ def scatter_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch
     return torch.ops.aten.scatter_reduce.two(base, dim, index, src, reduce, include_self=True)
 
 
+def batch_norm_backward_eval(grad_out, input, weight, running_mean, running_var,
+                             save_mean, save_invstd, train, eps, output_mask):
+    """The backward of a batch norm in eval mode (frozen with ``.eval()`` while the rest
+    trains): torch_xla's kernel expects the batch statistics a training forward saves
+    and fails without them; torch's decomposition uses the running ones."""
+    if train:
+        return NotImplemented                 # XLA's own kernel
+    from torch._decomp.decompositions import native_batch_norm_backward
+    return native_batch_norm_backward(grad_out, input, weight, running_mean, running_var,
+                                      save_mean, save_invstd, train, eps, output_mask)
+
+
 def _no_check(*args, **kwargs) -> None:
     return None
 
@@ -254,6 +266,7 @@ def table(device) -> Dict[object, Callable]:
         aten.linalg_cholesky_ex.default: cholesky_ex,
         aten.linalg_solve_triangular.default: solve_triangular,
         aten._linalg_check_errors.default: _no_check,
+        aten.native_batch_norm_backward.default: batch_norm_backward_eval,
         aten.searchsorted.Tensor: searchsorted,
         aten.scatter_reduce.two: scatter_reduce,
         aten.lgamma.default: special.lgamma,

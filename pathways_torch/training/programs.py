@@ -14,8 +14,11 @@ follow torch's semantics on purpose:
   ``clip_grad_norm_``;
 - ``precision="bf16"`` is ``torch.autocast("cpu", torch.bfloat16)`` around forward
   and loss (the trace runs on CPU fake tensors, so the CPU autocast policy applies);
-- training programs trace the model in train mode, evaluation and prediction in eval
-  mode, whatever mode the module is in.
+- evaluation and prediction trace the model in eval mode; a training step in the
+  modes the user set when the model is in train mode (a batch norm frozen with
+  ``.eval()`` stays frozen, as in a torch loop), and in train mode when the model as a
+  whole is in eval mode (``from_pretrained`` returns one; Hugging Face's Trainer calls
+  ``model.train()`` too).
 
 Example::
 
@@ -105,9 +108,11 @@ def loss_of(out: Any, targets: Any, loss_fn: Optional[Callable]) -> torch.Tensor
 
 @contextlib.contextmanager
 def mode(model: torch.nn.Module, training: bool):
-    """Trace ``model`` in train or eval mode, and leave every module's flag as it was."""
+    """Trace ``model`` in eval mode, or for training in the user's modes (train mode if
+    the model is in eval mode), and leave every module's flag as it was."""
     flags = [(m, m.training) for m in model.modules()]
-    model.train(training)
+    if not (training and model.training):
+        model.train(training)
     try:
         yield
     finally:

@@ -134,6 +134,8 @@ class Trainer:
         self.micro = 0                                # micro-steps since the last update
         self.seeds = SeedStream(torch.initial_seed() if seed is None else seed)
         self._programs: Dict[str, Program] = {}
+        self._modules = list(self.model.modules())
+        self._modes = _modes(self._modules)
         self.restarts: List[Restart] = []         # fit's elastic restarts
 
     # ------------------------------------------------------------------ layout helpers
@@ -271,6 +273,10 @@ class Trainer:
         """
         inputs, targets = plain_batch(inputs), plain_batch(targets)
         self._follow_requires_grad()
+        modes = _modes(self._modules)
+        if modes != self._modes:        # a module's .train()/.eval() since the last step
+            self._modes = modes
+            self._programs.clear()
         hyper, lrs = self._hyper()
         if isinstance(self.parallelism, Pipeline):
             loss = pipeline_step(self, inputs, targets, lrs, hyper)
@@ -571,6 +577,11 @@ def _flags(held: Dict[str, torch.Tensor]) -> tuple:
     """What decides a step program besides shapes: which parameters require grad, and
     the gradient hooks registered on them."""
     return tuple((p.requires_grad, tuple(p._backward_hooks or ())) for p in held.values())
+
+
+def _modes(modules: List[torch.nn.Module]) -> tuple:
+    """Each module's train/eval flag: a training step traces the modes the user set."""
+    return tuple(m.training for m in modules)
 
 
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
