@@ -185,12 +185,9 @@ def searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=
     if sorter is not None:
         sorted_sequence = sorted_sequence.gather(-1, sorter)
     right = right or side == "right"
-    if sorted_sequence.dim() == 1:
-        b = sorted_sequence
-        v = values.unsqueeze(-1)
-    else:                                      # one boundary row per leading index
-        b = sorted_sequence.unsqueeze(-2)
-        v = values.unsqueeze(-1)
+    # 1-d: one set of boundaries for every value; else one row per leading index
+    b = sorted_sequence if sorted_sequence.dim() == 1 else sorted_sequence.unsqueeze(-2)
+    v = values.unsqueeze(-1)
     before = (b <= v) if right else (b < v)
     return before.sum(-1).to(torch.int32 if out_int32 else torch.int64)
 
