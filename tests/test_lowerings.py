@@ -174,6 +174,18 @@ REFUSED = {
 }
 
 
+def _torch_losses(opt, losses):
+    """Plain torch: one optimizer step per loss closure; the losses."""
+    out = []
+    for loss_of in losses:
+        opt.zero_grad()
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
 class Speech(nn.Module):
     """A CTC acoustic model: frames through a convolution, per-frame class scores, and
     the CTC loss of the batch's padded transcripts (lengths are tensors of the batch)."""
@@ -201,14 +213,8 @@ def test_a_ctc_model_trains_like_torch(s1):
              "targets": torch.randint(1, 5, (4, 5), generator=g),
              "frame_lengths": torch.tensor([12, 11, 9, 12]),
              "target_lengths": torch.tensor([5, 3, 4, 1]) - k % 2} for k in range(3)]
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    want = []
-    for b in data:
-        opt.zero_grad()
-        loss = ref(**b)["loss"]
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = _torch_losses(torch.optim.AdamW(ref.parameters(), lr=1e-2),
+                         [lambda b=b: ref(**b)["loss"] for b in data])
     tr = pw.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, slice=s1)
     got = [float(tr.step(b)) for b in data]
     assert got == pytest.approx(want, abs=TOL, rel=TOL)
@@ -276,14 +282,8 @@ def test_a_model_that_needs_the_formulas_trains_like_torch(s1):
     g = torch.Generator().manual_seed(2)
     data = [(torch.rand(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g))
             for _ in range(3)]
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    want = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = _torch_losses(torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                         [lambda x=x, y=y: F.cross_entropy(ref(x), y) for x, y in data])
     tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                     F.cross_entropy, slice=s1)
     got = [float(tr.step(x, y)) for x, y in data]

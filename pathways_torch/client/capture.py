@@ -42,7 +42,7 @@ import hashlib
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -132,21 +132,21 @@ _DECOMPS = None
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(op) -> Optional[bool]:
-    """Whether torch_xla runs ``op`` as XLA (else its CPU fallback reads the values):
-    True for an XLA kernel or one composed above the backend, False for none, None for
-    a composite kernel whose parts the dispatcher does not tell (``_falls_back`` runs
-    it). A composite kernel that computes through an ``out=`` variant of its own that
-    XLA lacks is False at once (``median(dim)`` calls ``median.dim_values``)."""
+def _lacks_kernel(op) -> bool:
+    """Whether torch_xla certainly runs ``op`` on the CPU (its fallback reads the
+    values): it has neither an XLA kernel nor a composite one, or its composite kernel
+    computes through an ``out=`` variant of its own that XLA lacks (``median(dim)``
+    calls ``median.dim_values``). Other fallbacks only running it shows
+    (``_falls_back``)."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     name = op.name()
     try:
         if has(name, "XLA") or has(name, "CompositeImplicitAutograd"):
-            return True
-        if not has(name, "CompositeExplicitAutograd"):
             return False
+        if not has(name, "CompositeExplicitAutograd"):
+            return True
     except RuntimeError:            # an overload the dispatcher does not know
-        return False
+        return True
     packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1], None)
     for overload in (packet.overloads() if packet is not None else ()):
         other = getattr(packet, overload)
@@ -156,10 +156,10 @@ def _kernel(op) -> Optional[bool]:
             if other._schema.is_mutable and not any(
                     has(full, k) for k in ("XLA", "CompositeExplicitAutograd",
                                            "CompositeImplicitAutograd")):
-                return False
+                return True
         except RuntimeError:
             continue
-    return None
+    return False
 
 
 _FALLBACKS: Dict[tuple, List[str]] = {}
@@ -227,7 +227,7 @@ def _decompositions() -> Dict:
         # beats a refusal
         _DECOMPS.update({op: f for op, f in decomposition_table.items()
                          if isinstance(op, torch._ops.OpOverload) and op not in _DECOMPS
-                         and _kernel(op) is False})
+                         and _lacks_kernel(op)})
     return _DECOMPS
 
 
@@ -403,9 +403,8 @@ def _check_ops(gm, name: str, device) -> None:
         if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or \
                 op is torch.ops.aten.lift_fresh_copy.default:
             continue
-        lowered = _kernel(op)
         short = op.name().replace("aten::", "torch.").replace("prims::", "torch.")
-        if lowered is False:
+        if _lacks_kernel(op):
             raise _no_lowering(name, short)
         if op in _adaptive_pools():
             _check_adaptive(node, name)

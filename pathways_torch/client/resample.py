@@ -115,7 +115,7 @@ def forward(mode: str, x: torch.Tensor, output_size: Sequence[int], align_corner
         for index, weight in taps(mode, x.shape[dim], n_out, align_corners, sc):
             i, w = _along(x, dim, n_out, index, weight, x)
             parts.append(x.index_select(dim, i) * w)
-        x = parts[0] if len(parts) == 1 else sum(parts[1:], parts[0])
+        x = sum(parts[1:], parts[0])
     return x
 
 

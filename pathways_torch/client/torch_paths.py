@@ -121,6 +121,7 @@ def traceable() -> Iterator[None]:
     from torch.distributions import Distribution
     import torch.utils.checkpoint as ckpt
     validate = Distribution._validate_args
+    reentrant = vars(ckpt.CheckpointFunction).get("apply")     # None: autograd.Function's
     with tc.set_stance("force_eager"), cpu_autocast, _Formulas(lowerings.above_autograd()):
         Distribution.set_default_validate_args(False)
         ckpt.CheckpointFunction.apply = staticmethod(_non_reentrant)
@@ -138,7 +139,10 @@ def traceable() -> Iterator[None]:
             torch.backends.mha.set_fastpath_enabled(fastpath)
             torch._C._set_mkldnn_enabled(mkldnn)
             Distribution.set_default_validate_args(validate)
-            del ckpt.CheckpointFunction.apply          # back to autograd.Function's
+            if reentrant is None:
+                del ckpt.CheckpointFunction.apply
+            else:
+                ckpt.CheckpointFunction.apply = reentrant
 
 
 def _non_reentrant(function, preserve_rng_state, *args):
