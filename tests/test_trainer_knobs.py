@@ -266,6 +266,77 @@ def test_scheduler_equals_torch(s2, name, who):
     plain = copy.deepcopy(mlp())
     unscheduled, _ = torch_train(plain, make_opt(plain.parameters()), data)
     assert_differ(got, unscheduled, by=1e-4)
+    # a momentum that changes every step (OneCycleLR) is an input once it has changed:
+    # one more trace, not one a step (each of those was a compile)
+    assert len(tr._programs["train_step"]._traces) <= 2
+
+
+def test_reduce_lr_on_plateau_stepped_by_the_user_equals_torch(s2):
+    """ReduceLROnPlateau needs a metric: as scheduler= it is refused with what to do,
+    and stepped by the user on the evaluate loss it gives torch's numbers."""
+    model, data = mlp(), batches(6)
+    val = batches(1, seed=7)[0]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    with pytest.raises(pw.PathwaysError, match="sched.step"):
+        pw.Trainer(model, opt, F.cross_entropy, slice=s2, scheduler=plateau(opt))
+    sched = plateau(opt, factor=0.5, patience=0)
+    tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2)
+    got = []
+    for x, y in data:
+        got.append(float(tr.step(x, y)))
+        sched.step(float(tr.evaluate(*val)))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    ref_sched = plateau(ref_opt, factor=0.5, patience=0)
+
+    def evaluate_and_step(m, i):
+        if i:
+            m.eval()
+            with torch.no_grad():
+                ref_sched.step(F.cross_entropy(m(val[0]), val[1]).item())
+            m.train()
+    want, _ = torch_train(ref, ref_opt, data, each_step=evaluate_and_step)
+    assert_losses(got, want)
+    assert ref_opt.param_groups[0]["lr"] < 0.5          # the plateau did cut it
+
+
+def _vary(opt, i):
+    """Step i's hyperparameters, as a schedule would write them: every float one the
+    optimizer's step reads changes (betas, rho, alpha, momentum, dampening shrink;
+    weight decay, eps, lr_decay, momentum_decay grow)."""
+    shrink = {"betas", "rho", "alpha", "momentum", "dampening"}
+    for g in opt.param_groups:
+        for k in ("momentum", "dampening", "weight_decay", "betas", "eps", "alpha", "rho",
+                  "lr_decay", "momentum_decay"):
+            if k in g:
+                f = 1 - 0.05 * i if k in shrink else 1 + 0.5 * i
+                g[k] = (tuple(b * f for b in g[k]) if isinstance(g[k], tuple)
+                        else g[k] * f)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum_dampening_wd", "sgd_nesterov",
+                                      "adamw_amsgrad", "adamax", "nadam", "radam",
+                                      "rmsprop_centered_momentum", "adagrad_lr_decay",
+                                      "adadelta"])
+def test_hyperparameters_changed_every_step_equal_torch_without_retracing(s2, opt_name):
+    """Every float hyperparameter changes before every step: the Trainer follows them
+    as torch does, with at most two traces (the first step's constants, then inputs)."""
+    make_opt = OPTIMIZERS[opt_name]
+    steps = STEPS.get(opt_name, 4)
+    model, data = mlp(), batches(steps)
+    ref = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2)
+    got = []
+    for i, (x, y) in enumerate(data):
+        _vary(opt, i)
+        got.append(tr.step(x, y))
+    ref_opt = make_opt(ref.parameters())
+    want, _ = torch_train(ref, ref_opt, data, each_step=lambda m, i: _vary(ref_opt, i))
+    assert_losses(floats(got), want)
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
+    assert len(tr._programs["train_step"]._traces) <= 2
 
 
 # ---------------------------------------------------------------------- 3. max_grad_norm

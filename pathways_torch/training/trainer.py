@@ -62,9 +62,11 @@ class Trainer:
     ``precision="bf16"`` runs forward and loss under ``torch.autocast("cpu",
     torch.bfloat16)`` with fp32 parameters and optimizer state. ``scheduler`` (a
     ``torch.optim.lr_scheduler`` of ``optimizer``) is stepped after every update and
-    saved in checkpoints. ``seed`` (default ``torch.initial_seed()``) starts the stream
-    of RNG seeds of the steps: dropout draws new masks every step, the same seed gives
-    the same run, and checkpoints hold the stream's position.
+    saved in checkpoints; ReduceLROnPlateau, which needs a metric, is stepped by the
+    user (each step reads the learning rate and hyperparameters the optimizer holds).
+    ``seed`` (default ``torch.initial_seed()``) starts the stream of RNG seeds of the
+    steps: dropout draws new masks every step, the same seed gives the same run, and
+    checkpoints hold the stream's position.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -75,8 +77,18 @@ class Trainer:
         model = _uncompiled(model)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.options = Options(max_grad_norm, int(accumulate), precision)
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise PathwaysError(
+                "ReduceLROnPlateau steps on a metric you measure, which the Trainer "
+                "does not have: leave scheduler= out and call "
+                "sched.step(float(trainer.evaluate(x, y))) yourself (once an epoch, as "
+                "in torch); every step reads the learning rate it writes")
         self.scheduler = scheduler
         self.opt = fopt.describe(optimizer)
+        # float hyperparameters seen to change between steps (a OneCycleLR's momentum),
+        # inputs of the step from then on rather than part of its key
+        self._dynamic: frozenset = frozenset()
+        self._floats = fopt.floats(optimizer)
         if isinstance(parallelism, (Pipeline, MultiIsland)):
             self.slices = list(parallelism.slices)
         elif slice is not None:
@@ -255,10 +267,16 @@ class Trainer:
         return prog
 
     def _hyper(self):
-        """The optimizer's static hyperparameters now (a program key: a scheduler that
-        changes momentum retraces) and each group's learning rate (an input)."""
-        self.opt = fopt.describe(self.optimizer)
-        return self.opt["groups"], fopt.lr_tensors(self.optimizer)
+        """The optimizer's static hyperparameters now (a program key) and each group's
+        learning rate and changing hyperparameters (inputs: a scheduler that sets
+        momentum every step costs one retrace, when it first changes it)."""
+        now = fopt.floats(self.optimizer)
+        if now != self._floats:
+            changed = {k for old, new in zip(self._floats, now) for k in new
+                       if old.get(k) != new[k]}
+            self._dynamic, self._floats = self._dynamic | changed, now
+        self.opt = fopt.describe(self.optimizer, self._dynamic)
+        return self.opt["groups"], fopt.scalars(self.optimizer, self._dynamic)
 
     def _store_created(self, r: int, created: Dict[str, Dict[str, Array]]) -> None:
         for n, st in created.items():
