@@ -50,9 +50,27 @@ def test_item_inside_a_program(s):
     def normalize(x):
         return x / x.sum().item()
 
-    with pytest.raises(pw.DataDependentError, match="torch.where"):
+    # the error names the user's line that read the value
+    with pytest.raises(pw.DataDependentError,
+                       match=r"at test_errors\.py:\d+: return x / x\.sum\(\)\.item\(\).*torch.where"):
         normalize(pw.put(torch.ones(8), s))
     still_works(s)
+
+
+def test_one_hot_without_num_classes_says_to_pass_it(s):
+    @pw.program
+    def encode(y):
+        return torch.nn.functional.one_hot(y).float()
+
+    with pytest.raises(pw.DataDependentError, match="pass num_classes="):
+        encode(pw.put(torch.tensor([0, 2, 1]), s))
+    assert encode_fixed(pw.put(torch.tensor([0, 2, 1]), s)).torch().tolist() == \
+        torch.nn.functional.one_hot(torch.tensor([0, 2, 1]), 4).float().tolist()
+
+
+@pw.program
+def encode_fixed(y):
+    return torch.nn.functional.one_hot(y, num_classes=4).float()
 
 
 def test_data_dependent_control_flow(s):

@@ -60,7 +60,7 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-def _run_pair(ordered: bool, limit: float) -> tuple:
+def _run_pair(ordered: bool, limit: float, programs: int = PROGRAMS) -> tuple:
     """Start a shared 2-host cluster and two clients; returns (finished, lines)."""
     env = {"PATHWAYS_DEBUG_UNORDERED_GANGS": "0" if ordered else "1"}
     with LocalCluster(islands=1, hosts_per_island=2, devices_per_host=2,
@@ -68,7 +68,7 @@ def _run_pair(ordered: bool, limit: float) -> tuple:
         cenv = dict(os.environ, PJRT_DEVICE="CPU")
         cenv.pop("PATHWAYS_ADDRESS", None)
         procs = [subprocess.Popen([sys.executable, "-c", CLIENT, c.address, name,
-                                   str(PROGRAMS)], env=cenv, stdin=subprocess.PIPE,
+                                   str(programs)], env=cenv, stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
                  for name in ("a", "b")]
         try:
@@ -97,9 +97,9 @@ def test_the_gang_order_keeps_two_clients_on_shared_hosts_from_deadlocking():
 
 
 def test_without_the_order_the_same_load_deadlocks():
-    # Ordered, each client's 1,000 programs take ~12 s here; unordered, both clients
-    # stopped at their first program.
-    finished, lines = _run_pair(ordered=False, limit=30)
+    # Ordered, each client's 1,000 programs take ~12 s here, so 100 take ~1.2 s;
+    # unordered, both clients stopped at their first program.
+    finished, lines = _run_pair(ordered=False, limit=12, programs=100)
     assert not all(finished), (
-        "2 x 1,000 programs finished without the gang order: the test load does not "
-        f"show the hazard: {lines}")
+        "2 x 100 programs finished in 12 s without the gang order (ordered, 10 times "
+        f"as many take about as long): the test load does not show the hazard: {lines}")

@@ -105,12 +105,31 @@ class Traced:
         self.kept_outputs = len(self.out_avals) - self.extra
 
 
-def _data_dependent(name: str, what: str) -> DataDependentError:
+def _data_dependent(name: str, what: str, where: str = "") -> DataDependentError:
+    hint = ""
+    if "one_hot(" in where and "num_classes" not in where:
+        hint = " F.one_hot without num_classes reads the largest class: pass num_classes=."
     return DataDependentError(
-        f"program '{name}' reads a tensor's value while being traced ({what}). Programs "
+        f"program '{name}' reads a tensor's value while being traced ({what})"
+        f"{where}.{hint} Programs "
         "are traced once, on shapes and dtypes only, so their Python control flow and "
         "shapes cannot depend on data: use torch.where / masks, or move that logic "
         "outside the program and read the result with Array.torch()")
+
+
+_LIBRARY = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def _user_line(e: BaseException) -> str:
+    """' at file:line: code' of the innermost frame of ``e`` outside torch and
+    pathways_torch (the user's line that made the read), or ''."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(_LIBRARY) and "<" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f", at {os.path.basename(f.filename)}:{f.lineno}: {(f.line or '').strip()}"
 
 
 _VALUE_READS = {
@@ -268,7 +287,7 @@ def _user_error(name: str, sig: str, e: BaseException) -> PathwaysError:
     if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
         op = getattr(e, "func", None)
         short = getattr(op, "_opname", "") or str(op)
-        return _data_dependent(name, _VALUE_READS.get(short, f"aten.{short}"))
+        return _data_dependent(name, _VALUE_READS.get(short, f"aten.{short}"), _user_line(e))
     if isinstance(e, UnsupportedOperatorException):
         return TraceError(
             f"program '{name}' uses {e.func}, which has no shape function in torch, so it "
