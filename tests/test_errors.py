@@ -68,6 +68,20 @@ def test_one_hot_without_num_classes_says_to_pass_it(s):
         torch.nn.functional.one_hot(torch.tensor([0, 2, 1]), 4).float().tolist()
 
 
+def test_operands_of_two_dtypes_are_refused_as_torch_refuses_them(s):
+    """model.half() fed float32 inputs: torch raises; fake tensors would trace it and
+    XLA's verifier fail the compile on the worker."""
+    @pw.program
+    def layer(x, w):
+        return torch.nn.functional.linear(x, w)
+
+    with pytest.raises(pw.ShapeError, match="float32 and float16.*cast the inputs"):
+        layer(pw.put(torch.randn(4, 8), s), pw.put(torch.randn(3, 8).half(), s))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.nn.functional.linear(torch.randn(4, 8), torch.randn(3, 8).half())
+    still_works(s)
+
+
 @pw.program
 def encode_fixed(y):
     return torch.nn.functional.one_hot(y, num_classes=4).float()

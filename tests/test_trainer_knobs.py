@@ -718,6 +718,47 @@ def test_calling_conventions(s2, convention):
     assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
 
 
+def _loss_and_accuracy(form):
+    def loss_fn(out, y):
+        loss, acc = F.cross_entropy(out, y), (out.argmax(1) == y).float().mean()
+        return (loss, acc) if form == "tuple" else {"loss": loss, "accuracy": acc}
+    return loss_fn
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict"])
+def test_a_loss_fn_that_returns_metrics_beside_the_loss(s2, pipe_slices, form):
+    """(loss, metric) or {"loss": ..., ...}: the step trains on the loss and returns
+    the whole result (Arrays), as torch code unpacks it; fit reads the loss. Where a
+    step combines several programs' losses it is refused with what to do."""
+    loss_fn = _loss_and_accuracy(form)
+    model, data = mlp(), batches(3)
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.2), loss_fn, slice=s2)
+    got = [tr.step(x, y) for x, y in data]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    for (x, y), result in zip(data, got):
+        ref_opt.zero_grad()
+        loss, acc = F.cross_entropy(ref(x), y), (ref(x).argmax(1) == y).float().mean()
+        loss.backward()
+        ref_opt.step()
+        mine = result if form == "tuple" else (result["loss"], result["accuracy"])
+        assert isinstance(mine[0], pw.Array)
+        assert_losses([float(mine[0])], [loss.item()])
+        assert float(mine[1]) == acc.item()
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
+    x, y = data[0]
+    ev = tr.evaluate(x, y)
+    assert float(ev[0] if form == "tuple" else ev["loss"]) == pytest.approx(
+        F.cross_entropy(ref.eval()(x), y).item(), abs=TOL)
+    assert len(tr.fit(data, steps=2)) == 2
+    for kw in (dict(slice=s2, accumulate=2),
+               dict(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))):
+        other = mlp()
+        t = pw.Trainer(other, torch.optim.SGD(other.parameters(), lr=0.2), loss_fn, **kw)
+        with pytest.raises(pw.TraceError, match="loss alone"):
+            float(t.step(x, y) if "accumulate" in kw else t.step(x, y))
+
+
 def test_no_loss_fn_and_no_loss_in_the_output(s2):
     model = mlp()
     tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, slice=s2)

@@ -427,6 +427,8 @@ def _check_ops(gm, name: str, device) -> None:
             raise _no_lowering(name, short)
         if op in _adaptive_pools():
             _check_adaptive(node, name)
+        if op.overloadpacket in _same_dtype_ops():
+            _check_same_dtype(node, name, short)
         inner = _falls_back(op, node, device)
         if inner:
             through = [i for i in inner if i != short]
@@ -441,6 +443,29 @@ def _no_lowering(name: str, short: str) -> DataDependentError:
         "on shapes and dtypes only). Compute it outside the program (on Array.torch()), "
         "or with ops XLA lowers; docs/architecture.md lists the ops pathways_torch "
         "computes by formula instead")
+
+
+@functools.lru_cache(maxsize=None)
+def _same_dtype_ops() -> frozenset:
+    a = torch.ops.aten
+    return frozenset({a.mm, a.addmm, a.bmm, a.baddbmm, a.addbmm, a.mv, a.addmv, a.dot,
+                      a.convolution, a._convolution})
+
+
+def _check_same_dtype(node, name: str, short: str) -> None:
+    """torch's CPU kernels refuse a matmul or convolution of operands of different
+    floating dtypes (a ``model.half()`` fed float32 inputs); fake tensors do not check,
+    and XLA's verifier then fails the compile on the worker: refused here, as torch
+    would."""
+    vals = [a.meta.get("val") for a in node.args[:3] if hasattr(a, "meta")]
+    dtypes = [v.dtype for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if len(set(dtypes)) > 1:
+        what = " and ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ShapeError(
+            f"program '{name}': {short} of {what} operands, which torch refuses (its "
+            "operands must have one dtype): cast the inputs to the model's dtype "
+            "(x.half() for a model.half()), or use torch.autocast / "
+            "Trainer(precision='bf16') for mixed precision")
 
 
 def _adaptive_pools() -> set:

@@ -160,8 +160,8 @@ def _run(trainer: "Trainer", batches: "_Batches", start: int, meter: "_Meter",
 
     def settle(keep: int) -> None:
         while len(pending) > keep:
-            i, loss, samples, tokens = pending.popleft()
-            value = float(loss)
+            i, result, samples, tokens = pending.popleft()
+            value = float(_loss(result))
             meter.record(i, value, samples, tokens)
             if on_step is not None:
                 on_step(i + 1, value)
@@ -181,6 +181,16 @@ def _run(trainer: "Trainer", batches: "_Batches", start: int, meter: "_Meter",
             ckpts.save(trainer, i)
             batches.forget_before(i)
     settle(0)
+
+
+def _loss(result: Any) -> Any:
+    """The loss Array of what a step returned (loss_fn's whole result, see
+    ``programs.split_loss``)."""
+    if isinstance(result, Mapping):
+        return result["loss"]
+    if isinstance(result, (tuple, list)):
+        return result[0]
+    return getattr(result, "loss", result)
 
 
 def _split_batch(batch: Any, i: int) -> Tuple[Any, Any]:

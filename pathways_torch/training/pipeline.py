@@ -17,8 +17,8 @@ from ..client.graph import graph
 from ..errors import PathwaysError
 from ..parallel.strategies import Pipeline
 from .batches import _place_batch, _split
-from .programs import (clip_coef, grad_hooks, grad_square_sum, loss_of, make_apply_fn,
-                       mode, reparametrized, requires_grad)
+from .programs import (alone, clip_coef, grad_hooks, grad_square_sum, loss_and_rest,
+                       make_apply_fn, mode, reparametrized, requires_grad, returned)
 
 
 def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
@@ -208,7 +208,7 @@ def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool, model):
             x = x.requires_grad_()
         wrt = leaves if first else [x] + leaves
         with mode(mod, True), _stage(mod, params, fixed):
-            loss = loss_of(mod(x), targets, loss_fn)
+            loss = alone(*loss_and_rest(mod(x), targets, loss_fn), "a Pipeline")
             grads = torch.autograd.grad(loss / microbatches, wrt)
         gx = torch.zeros((), dtype=loss.dtype) if first else grads[0]
         return gx, _accumulate(acc, names, grads if first else grads[1:]), loss.detach()
@@ -240,5 +240,5 @@ def _make_stage_eval(mod, loss_fn, with_loss: bool):
     def stage_eval(params, fixed, x, targets):
         with mode(mod, False), torch.no_grad(), _stage(mod, params, fixed):
             y = mod(x)
-            return loss_of(y, targets, loss_fn) if with_loss else y
+            return returned(*loss_and_rest(y, targets, loss_fn)) if with_loss else y
     return stage_eval

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -86,11 +86,42 @@ def call_model(model: torch.nn.Module, inputs: Any):
     return model(inputs)
 
 
-def loss_of(out: Any, targets: Any, loss_fn: Optional[Callable]) -> torch.Tensor:
-    """``loss_fn(out, targets)``, or with ``loss_fn=None`` the loss the model returned
-    (Hugging Face's ``.loss`` / ``["loss"]``, or a scalar tensor)."""
+def split_loss(result: Any) -> Tuple[torch.Tensor, Any]:
+    """(the loss, the rest) of what a ``loss_fn`` returned: a tensor is the loss alone
+    (the rest None); a tuple or list whose first element is a tensor (Hugging Face's
+    ``compute_loss(..., return_outputs=True)``), a dict with ``"loss"`` or an object
+    with ``.loss`` holds the loss beside metrics, and the step returns it whole."""
+    if isinstance(result, torch.Tensor):
+        return result, None
+    if isinstance(result, Mapping) and isinstance(result.get("loss"), torch.Tensor):
+        return result["loss"], result
+    if isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor):
+        return result[0], result
+    if isinstance(getattr(result, "loss", None), torch.Tensor):
+        return result.loss, result
+    raise TraceError(
+        f"loss_fn returned a {type(result).__name__}: return the loss (a tensor), or a "
+        "tuple whose first element is the loss or a dict with 'loss' to have metrics "
+        "returned beside it")
+
+
+def alone(loss: torch.Tensor, rest: Any, where: str) -> torch.Tensor:
+    """The loss, refusing a loss_fn that returned more where a step cannot return it."""
+    if rest is not None:
+        raise TraceError(
+            f"loss_fn returned a {type(rest).__name__} (the loss and more); {where} "
+            "combines the losses of several programs, so there loss_fn must return the "
+            "loss alone: compute metrics with trainer.predict or trainer.evaluate")
+    return loss
+
+
+def loss_and_rest(out: Any, targets: Any, loss_fn: Optional[Callable]):
+    """(loss, rest): ``split_loss`` of ``loss_fn(out, targets)``, or with
+    ``loss_fn=None`` the loss the model returned (Hugging Face's ``.loss`` /
+    ``["loss"]``, or a scalar tensor) and None (a step does not return the model's
+    own outputs)."""
     if loss_fn is not None:
-        return loss_fn(out, targets)
+        return split_loss(loss_fn(out, targets))
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, Mapping):
         loss = out.get("loss")
@@ -103,7 +134,7 @@ def loss_of(out: Any, targets: Any, loss_fn: Optional[Callable]) -> torch.Tensor
             "pw.Trainer(loss_fn=None) takes the loss from the model's output, which has "
             f"none ({what}): put the labels in the inputs (Hugging Face: labels=...) so "
             "the model returns .loss, or pass a loss_fn")
-    return loss
+    return loss, None
 
 
 @contextlib.contextmanager
@@ -127,10 +158,20 @@ def autocast(options: Options):
 
 
 def forward_loss(model, loss_fn, options: Options, inputs, targets):
-    """The loss of a reparametrized model (see ``reparametrized``)."""
+    """(the loss, what else loss_fn returned or None) of a reparametrized model (see
+    ``reparametrized``)."""
     with autocast(options):
-        loss = loss_of(call_model(model, inputs), targets, loss_fn)
-    return loss.float() if loss.dtype != torch.float32 else loss
+        loss, rest = loss_and_rest(call_model(model, inputs), targets, loss_fn)
+    return (loss.float() if loss.dtype != torch.float32 else loss), rest
+
+
+def returned(loss: torch.Tensor, rest: Any) -> Any:
+    """What a step or an evaluation returns: the loss, or loss_fn's whole result with
+    its tensors detached."""
+    if rest is None:
+        return loss.detach()
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, rest)
 
 
 # ---------------------------------------------------------------------- pieces of a step
@@ -205,7 +246,9 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
     def train_step(params, fixed, states, acc, lrs, inputs, targets, hyper):
         requires_grad(params, grad_hooks(model))
         with mode(model, True), reparametrized(model, {**params, **fixed}):
-            loss = forward_loss(model, loss_fn, options, inputs, targets)
+            loss, rest = forward_loss(model, loss_fn, options, inputs, targets)
+            if k > 1:
+                alone(loss, rest, f"accumulate={k}")
             grads = gradients(loss, params)
         if k > 1:
             with torch.no_grad():
@@ -219,7 +262,7 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
                     t.zero_()
         created = clip_and_update(dict(spec, groups=hyper), groups, options, params, grads,
                                   states, lrs)
-        return loss.detach(), created
+        return returned(loss, rest), created
     return train_step
 
 
@@ -229,7 +272,8 @@ def make_grad_fn(model, loss_fn, options: Options, flat: bool = False):
     def grads(params, fixed, inputs, targets):
         requires_grad(params, grad_hooks(model))
         with mode(model, True), reparametrized(model, {**params, **fixed}):
-            loss = forward_loss(model, loss_fn, options, inputs, targets)
+            loss = alone(*forward_loss(model, loss_fn, options, inputs, targets),
+                         "MultiIsland")
             gs = gradients(loss, params)
         gs = {n: (g if g is not None else torch.zeros_like(params[n])) for n, g in gs.items()}
         if flat:
@@ -294,7 +338,7 @@ def make_eval_fn(model, loss_fn, options: Options):
     """The loss in eval mode: no dropout, BatchNorm's running statistics, no update."""
     def evaluate(params, fixed, inputs, targets):
         with mode(model, False), torch.no_grad(), reparametrized(model, {**params, **fixed}):
-            return forward_loss(model, loss_fn, options, inputs, targets)
+            return returned(*forward_loss(model, loss_fn, options, inputs, targets))
     return evaluate
 
 

@@ -284,7 +284,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def step(self, inputs: Any, targets: Any = None) -> Array:
-        """Dispatch one training step; returns the loss (a ``pw.Array``) at once.
+        """Dispatch one training step; returns the loss (a ``pw.Array``) at once, or,
+        when ``loss_fn`` returns metrics beside the loss (a tuple whose first element is
+        the loss, a dict with ``"loss"``), that whole result with Arrays for tensors.
 
         With ``accumulate=k``, each call is a micro-step whose loss it returns; the
         optimizer update (and the scheduler's step) happens on every k-th call.
@@ -323,7 +325,8 @@ class Trainer:
 
     def evaluate(self, inputs: Any, targets: Any = None) -> Array:
         """The loss on a batch in eval mode (no dropout, BatchNorm's running
-        statistics, no gradients, no update), as a ``pw.Array`` at once."""
+        statistics, no gradients, no update), as a ``pw.Array`` at once (or loss_fn's
+        whole result, as ``step`` returns it)."""
         inputs, targets = plain_batch(inputs), plain_batch(targets)
         if isinstance(self.parallelism, Pipeline):
             return pipeline_eval(self, inputs, targets)
