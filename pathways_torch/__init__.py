@@ -29,8 +29,8 @@ import importlib as _importlib
 from .errors import (CheckpointError, ClusterShutdownError, ColocatedError, DataDependentError,
                      DataLoaderError, NotInitializedError,
                      OutOfMemoryError, PathwaysError, PlacementError, ProgramError,
-                     ResourceExhaustedError, ShapeError, ShardingError, TimeoutError,
-                     TraceError, WorkerLostError)
+                     ResourceExhaustedError, RetraceWarning, ShapeError, ShardingError,
+                     TimeoutError, TraceError, WorkerLostError)
 from .sharding import P
 
 __version__ = "0.1.0"
@@ -63,7 +63,7 @@ __all__ = [
     "PathwaysError", "NotInitializedError", "ClusterShutdownError", "ResourceExhaustedError",
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",
     "ProgramError", "WorkerLostError", "TimeoutError", "OutOfMemoryError", "CheckpointError",
-    "DataLoaderError", "ColocatedError",
+    "DataLoaderError", "ColocatedError", "RetraceWarning",
 ]
 
 

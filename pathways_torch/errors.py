@@ -103,3 +103,12 @@ class DataLoaderError(ProgramError):
 class ColocatedError(ProgramError):
     """A ``pw.colocated`` function raised (or returned what cannot travel) on a host;
     ``program`` is the function's name and ``host`` where it ran."""
+
+
+class RetraceWarning(UserWarning):
+    """A program was traced (and compiled) again because a static argument, a Python
+    number passed where a tensor could go, keeps changing; the message names it.
+    Pass it as a tensor to make it an input. Filter it like any warning::
+
+        warnings.simplefilter("ignore", pw.RetraceWarning)
+    """

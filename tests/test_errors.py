@@ -82,6 +82,29 @@ def test_operands_of_two_dtypes_are_refused_as_torch_refuses_them(s):
     still_works(s)
 
 
+def test_a_static_number_that_keeps_changing_warns_once_with_its_name(s):
+    """Each value of a Python float is a trace and a compile: the third value warns,
+    naming the argument and saying to pass a tensor; a tensor is an input (no retrace)."""
+    @pw.program
+    def anneal(x, tau):
+        return torch.softmax(x / tau, -1)
+
+    x = pw.put(torch.randn(4, 5), s)
+    anneal(x, 1.0)
+    anneal(x, 0.9)
+    with pytest.warns(pw.RetraceWarning, match=r"float tau \(3 values.*torch.tensor"):
+        anneal(x, 0.8)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        anneal(x, 0.7)                                   # warned once only
+        for t in (0.6, 0.5, 0.4):
+            got = anneal(x, torch.tensor(t))
+    assert not [w for w in caught if w.category is pw.RetraceWarning]
+    assert len(anneal._traces) == 5                      # 4 floats, 1 tensor
+    torch.testing.assert_close(got.torch(), torch.softmax(x.torch() / 0.4, -1))
+
+
 @pw.program
 def encode_fixed(y):
     return torch.nn.functional.one_hot(y, num_classes=4).float()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import warnings
 from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
@@ -32,7 +33,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import tracing
-from ..errors import PlacementError, ShardingError, TraceError
+from ..errors import PlacementError, RetraceWarning, ShardingError, TraceError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, spec_from_proto, spec_to_proto, validate_spec
@@ -269,6 +270,50 @@ class Program:
                 kept.append(new)
         return f.build(kept)
 
+    #: distinct values of one static argument that make a warning (``RetraceWarning``)
+    RETRACE_WARN_AT = 3
+
+    def _note_retrace(self, key, args, kwargs) -> None:
+        """Before a new trace: if traces of the same structure and tensor shapes exist,
+        count the values each static leaf has taken, and warn once per leaf when one
+        reaches ``RETRACE_WARN_AT`` (a Python number that changes every call, say an
+        annealed temperature, costs a trace and a compile per value)."""
+        tree, parts, autocast = key
+        shapes = [p for p in parts if p[0] == "A"]
+        seen = self.__dict__.setdefault("_static_seen", {})     # leaf -> values
+        warned = self.__dict__.setdefault("_static_warned", set())
+        for other in self._traces:
+            if other[0] != tree or other[2] != autocast or len(other[1]) != len(parts) or \
+                    [p for p in other[1] if p[0] == "A"] != shapes:
+                continue
+            for i, (mine, theirs) in enumerate(zip(parts, other[1])):
+                if mine[0] == "S" and mine != theirs:
+                    values = seen.setdefault(i, {theirs[2]})
+                    values.add(mine[2])
+                    if len(values) >= self.RETRACE_WARN_AT and i not in warned:
+                        warned.add(i)
+                        warnings.warn(
+                            f"program '{self.name}' is traced and compiled again for "
+                            f"each value of the Python {type(mine[2]).__name__} "
+                            f"{self._leaf_name(args, kwargs, i)} ({len(values)} values "
+                            f"so far, now {mine[2]!r}): pass it as a tensor "
+                            "(torch.tensor(value)) to make it an input",
+                            RetraceWarning, stacklevel=5)
+
+    def _leaf_name(self, args, kwargs, i: int) -> str:
+        """Flat leaf ``i`` of ``(args, kwargs)`` as the function names it: "tau",
+        "inputs[1]", "batch['temperature']"."""
+        path = pytree.tree_flatten_with_path((args, kwargs))[0][i][0]
+        head, rest = path[1], pytree.keystr(path[2:])
+        if path[0].idx == 1:
+            return f"{head.key}{rest}"
+        try:
+            import inspect
+            names = [p.name for p in inspect.signature(self.fn).parameters.values()]
+            return f"{names[head.idx]}{rest}"
+        except (TypeError, ValueError, IndexError):
+            return f"argument {head.idx}{rest}"
+
     def _slow_call(self, args, kwargs):
         state = runtime.get_state()
         leaves, tree = pytree.tree_flatten((args, kwargs))
@@ -299,6 +344,7 @@ class Program:
         key = (repr(tree), tuple(key_parts), autocast)
         traced = self._traces.get(key)
         if traced is None:
+            self._note_retrace(key, args, kwargs)
             t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
             traced = self._trace(leaves, tree, dyn_pos, avals)
             self._traces[key] = traced
