@@ -105,6 +105,25 @@ def test_a_static_number_that_keeps_changing_warns_once_with_its_name(s):
     torch.testing.assert_close(got.torch(), torch.softmax(x.torch() / 0.4, -1))
 
 
+def test_an_array_updated_in_place_and_passed_twice_is_refused(s):
+    """torch: f(a, a) with x.add_(1) makes y see the update too; a program would read
+    the old value through y, so it is refused, and the Array is left as it was."""
+    @pw.program
+    def bump_and_double(x, y):
+        x.add_(1)
+        return y * 2
+
+    a = pw.put(torch.ones(3), s)
+    with pytest.raises(pw.TraceError, match="passed as another input too"):
+        bump_and_double(a, a)
+    assert a.torch().tolist() == [1.0, 1.0, 1.0]
+    b = pw.put(torch.ones(3), s)
+    assert bump_and_double(a, b).torch().tolist() == [2.0, 2.0, 2.0]  # then the fast path
+    with pytest.raises(pw.TraceError, match="passed as another input too"):
+        bump_and_double(a, a)
+    assert a.torch().tolist() == [2.0, 2.0, 2.0]
+
+
 @pw.program
 def encode_fixed(y):
     return torch.nn.functional.one_hot(y, num_classes=4).float()

@@ -300,6 +300,19 @@ class Program:
                             "(torch.tensor(value)) to make it an input",
                             RetraceWarning, stacklevel=5)
 
+    def _check_no_aliased_update(self, tensors, mutated) -> None:
+        """torch sees an in-place update of an argument through every other argument
+        that is the same tensor; a program traces them as separate inputs, so it would
+        compute with the old value there: refused (the fast paths never take a call
+        whose input to update is passed twice)."""
+        for k in mutated:
+            a = tensors[k]
+            if isinstance(a, Array) and sum(b is a for b in tensors) > 1:
+                raise TraceError(
+                    f"program '{self.name}' updates its input {k} in place, and the same "
+                    "pw.Array is passed as another input too: torch would see the update "
+                    "through both, the program traces two tensors. Pass it once")
+
     def _leaf_name(self, args, kwargs, i: int) -> str:
         """Flat leaf ``i`` of ``(args, kwargs)`` as the function names it: "tau",
         "inputs[1]", "batch['temperature']"."""
@@ -351,6 +364,8 @@ class Program:
             tracing.CLIENT.add("trace", self.name, t0, program=self.name)
 
         mutated = traced.mutated_inputs
+        if mutated:
+            self._check_no_aliased_update([leaves[i] for i in dyn_pos], mutated)
         inputs, donate = [], []
         for k, i in enumerate(dyn_pos):
             leaf = leaves[i]
