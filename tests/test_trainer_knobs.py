@@ -728,8 +728,9 @@ def _loss_and_accuracy(form):
 @pytest.mark.parametrize("form", ["tuple", "dict"])
 def test_a_loss_fn_that_returns_metrics_beside_the_loss(s2, pipe_slices, form):
     """(loss, metric) or {"loss": ..., ...}: the step trains on the loss and returns
-    the whole result (Arrays), as torch code unpacks it; fit reads the loss. Where a
-    step combines several programs' losses it is refused with what to do."""
+    the whole result (Arrays), as torch code unpacks it; fit reads the loss; each
+    accumulate micro-step returns its own. Where a step combines several programs'
+    losses (Pipeline, MultiIsland) it is refused with what to do."""
     loss_fn = _loss_and_accuracy(form)
     model, data = mlp(), batches(3)
     ref = copy.deepcopy(model)
@@ -751,12 +752,20 @@ def test_a_loss_fn_that_returns_metrics_beside_the_loss(s2, pipe_slices, form):
     assert float(ev[0] if form == "tuple" else ev["loss"]) == pytest.approx(
         F.cross_entropy(ref.eval()(x), y).item(), abs=TOL)
     assert len(tr.fit(data, steps=2)) == 2
-    for kw in (dict(slice=s2, accumulate=2),
-               dict(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))):
-        other = mlp()
-        t = pw.Trainer(other, torch.optim.SGD(other.parameters(), lr=0.2), loss_fn, **kw)
-        with pytest.raises(pw.TraceError, match="loss alone"):
-            float(t.step(x, y) if "accumulate" in kw else t.step(x, y))
+    # with accumulate, each micro-step returns its own micro-batch's result
+    other = mlp()
+    acc_tr = pw.Trainer(other, torch.optim.SGD(other.parameters(), lr=0.2), loss_fn,
+                        slice=s2, accumulate=2)
+    fresh = mlp()
+    for half in (slice(0, 4), slice(4, 8)):
+        r = acc_tr.step(x[half], y[half])
+        want = (fresh(x[half]).argmax(1) == y[half]).float().mean().item()
+        assert float(r[1] if form == "tuple" else r["accuracy"]) == want
+    other = mlp()
+    t = pw.Trainer(other, torch.optim.SGD(other.parameters(), lr=0.2), loss_fn,
+                   parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
+    with pytest.raises(pw.TraceError, match="loss alone"):
+        t.step(x, y)
 
 
 def test_no_loss_fn_and_no_loss_in_the_output(s2):

@@ -247,8 +247,6 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
         requires_grad(params, grad_hooks(model))
         with mode(model, True), reparametrized(model, {**params, **fixed}):
             loss, rest = forward_loss(model, loss_fn, options, inputs, targets)
-            if k > 1:
-                alone(loss, rest, f"accumulate={k}")
             grads = gradients(loss, params)
         if k > 1:
             with torch.no_grad():
@@ -256,7 +254,7 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
                     if g is not None:
                         acc[n].add_(g)
                 if not last:
-                    return loss.detach(), {}
+                    return returned(loss, rest), {}
                 grads = {n: (acc[n] / k if g is not None else None) for n, g in grads.items()}
                 for t in acc.values():
                     t.zero_()

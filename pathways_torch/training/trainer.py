@@ -286,7 +286,9 @@ class Trainer:
     def step(self, inputs: Any, targets: Any = None) -> Array:
         """Dispatch one training step; returns the loss (a ``pw.Array``) at once, or,
         when ``loss_fn`` returns metrics beside the loss (a tuple whose first element is
-        the loss, a dict with ``"loss"``), that whole result with Arrays for tensors.
+        the loss, a dict with ``"loss"``), that whole result with Arrays for tensors
+        (under Pipeline and MultiIsland, which combine several programs' losses, the
+        loss alone is allowed).
 
         With ``accumulate=k``, each call is a micro-step whose loss it returns; the
         optimizer update (and the scheduler's step) happens on every k-th call.
