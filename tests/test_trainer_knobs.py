@@ -768,6 +768,26 @@ def test_a_loss_fn_that_returns_metrics_beside_the_loss(s2, pipe_slices, form):
         t.step(x, y)
 
 
+@pytest.mark.parametrize("strat", ["dp", "fsdp"])
+def test_a_last_batch_the_devices_do_not_divide_trains_as_in_torch(s2, strat):
+    """A DataLoader without drop_last ends an epoch with a partial batch (21 samples in
+    batches of 8: the last has 5, which 2 devices cannot split): fit trains on it as a
+    torch loop does, where it used to stop there with a ShardingError."""
+    torch.manual_seed(3)
+    ds = torch.utils.data.TensorDataset(torch.randn(21, 8), torch.randint(0, 4, (21,)))
+    loader = torch.utils.data.DataLoader(ds, batch_size=8)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, slice=s2,
+                    parallelism=strategy(strat))
+    got = list(tr.fit(loader, steps=3))
+    want, _ = torch_train(ref, make_opt(ref.parameters()), list(loader))
+    assert [len(y) for _, y in loader] == [8, 8, 5]
+    assert_losses(got, want)
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
+
+
 def test_no_loss_fn_and_no_loss_in_the_output(s2):
     model = mlp()
     tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, slice=s2)

@@ -13,15 +13,28 @@ from ..errors import PlacementError, ShardingError
 from ..sharding import P, validate_spec
 
 
+def _axis_size(slice_, axis) -> int:
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    size = 1
+    for name in names:
+        if name in slice_.axis_names:
+            size *= slice_.mesh_shape[slice_.axis_names.index(name)]
+    return size
+
+
 def _place_batch(value, slice_, axis: Optional[str]):
     """Every tensor of a batch pytree on ``slice_``, split along dimension 0 over the mesh
     axis ``axis`` (None: replicated); Arrays are taken as they are, and leaves that are
-    not tensors (strings, numbers, None) stay Python values (static in the program)."""
+    not tensors (strings, numbers, None) stay Python values (static in the program).
+    A batch the axis does not divide (a DataLoader's last, partial batch) is placed
+    replicated: every device computes all of it, and the step has torch's numbers."""
     def place(t):
         if isinstance(t, Array) or not isinstance(t, (torch.Tensor, np.ndarray)):
             return t            # an Array as it is; strings, numbers, None are static
         t = torch.as_tensor(t)
         spec = P(axis) if (axis and t.dim()) else P()
+        if axis and t.dim() and t.shape[0] % _axis_size(slice_, axis):
+            spec = P()
         try:
             validate_spec(spec, t.shape, slice_.axis_names, slice_.mesh_shape, "batch")
         except ShardingError as e:
