@@ -788,6 +788,22 @@ def test_a_last_batch_the_devices_do_not_divide_trains_as_in_torch(s2, strat):
     assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_a_step_inside_no_grad_still_trains(s2, context):
+    """A step computes its own gradients: called (and traced) inside an evaluation
+    loop's no_grad or inference_mode it trains as outside, where its trace failed
+    with "element 0 of tensors does not require grad"."""
+    model, data = mlp(), batches(2)
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.2), F.cross_entropy,
+                    slice=s2)
+    with context():
+        got = floats([tr.step(x, y) for x, y in data])
+    want, _ = torch_train(ref, torch.optim.SGD(ref.parameters(), lr=0.2), data)
+    assert_losses(got, want)
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
+
+
 def test_no_loss_fn_and_no_loss_in_the_output(s2):
     model = mlp()
     tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, slice=s2)

@@ -283,7 +283,7 @@ class Trainer:
             self.states[r][n].update(st)
 
     # ------------------------------------------------------------------ steps
-    def step(self, inputs: Any, targets: Any = None) -> Array:
+    def step(self, inputs: Any, targets: Any = None) -> Any:
         """Dispatch one training step; returns the loss (a ``pw.Array``) at once, or,
         when ``loss_fn`` returns metrics beside the loss (a tuple whose first element is
         the loss, a dict with ``"loss"``), that whole result with Arrays for tensors
@@ -293,6 +293,12 @@ class Trainer:
         With ``accumulate=k``, each call is a micro-step whose loss it returns; the
         optimizer update (and the scheduler's step) happens on every k-th call.
         """
+        # a step computes its own gradients: traced with them on even when called
+        # inside an evaluation loop's torch.no_grad() or inference_mode()
+        with torch.inference_mode(False), torch.enable_grad():
+            return self._step(inputs, targets)
+
+    def _step(self, inputs: Any, targets: Any) -> Any:
         inputs, targets = plain_batch(inputs), plain_batch(targets)
         self._follow_requires_grad()
         modes = _modes(self._modules)
@@ -325,7 +331,7 @@ class Trainer:
             self.scheduler.step()
         return loss
 
-    def evaluate(self, inputs: Any, targets: Any = None) -> Array:
+    def evaluate(self, inputs: Any, targets: Any = None) -> Any:
         """The loss on a batch in eval mode (no dropout, BatchNorm's running
         statistics, no gradients, no update), as a ``pw.Array`` at once (or loss_fn's
         whole result, as ``step`` returns it)."""
