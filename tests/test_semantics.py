@@ -373,3 +373,25 @@ def test_dropout_inside_activation_checkpointing_reuses_the_forwards_masks(s4):
     other = pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1),
                        torch.nn.functional.cross_entropy, slice=s4, seed=6)
     assert float(other.step(*data[0])) != plain[0]
+
+_CLOSED_OVER = torch.ones(4)
+
+
+def test_a_tensor_read_from_outside_and_changed_in_place_is_read_again(s4):
+    """A program reads a global CPU tensor: torch computes with its values at each
+    call, so an in-place change (``w.mul_(5)``) makes the next call trace again, on the
+    fast paths too. (Rebinding the name is not seen, as in JAX: pass it as an argument.)"""
+    @pw.program
+    def scale(x):
+        return x * _CLOSED_OVER
+
+    x = pw.put(torch.arange(4.0), s4)
+    for _ in range(2):                                   # the second call: a fast path
+        assert scale(x).torch().tolist() == [0.0, 1.0, 2.0, 3.0]
+    _CLOSED_OVER.mul_(5)
+    try:
+        assert scale(x).torch().tolist() == (torch.arange(4.0) * _CLOSED_OVER).tolist()
+        assert scale(x).torch().tolist() == [0.0, 5.0, 10.0, 15.0]
+    finally:
+        _CLOSED_OVER.fill_(1)
+    assert scale(x).torch().tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -97,6 +97,14 @@ class Traced:
     rng: bool = False
     #: Trailing outputs that only keep an input in the program (the caller drops them).
     extra: int = 0
+    #: The CPU tensors the function read from outside its arguments (a global, a
+    #: closure), with their version counters at the trace: changed in place since,
+    #: the program is stale (``stale``).
+    sources: List[Tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
+
+    def stale(self) -> bool:
+        """A tensor the function read from outside its arguments changed in place."""
+        return any(t._version != v for t, v in self.sources)
 
     def __post_init__(self) -> None:
         # what each call looks up (derived once: calls are the dispatch hot path)
@@ -545,6 +553,9 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         del mode
         gm, info = _graph(fn, name, sig, fakes, build_args, dev)
         _check_ops(gm, name, dev)
+        sources = [(t, t._version) for t in (getattr(gm, n.target) for n in gm.graph.nodes
+                                             if n.op == "get_attr")
+                   if isinstance(t, torch.Tensor) and not t.is_inference()]
         import torch_xla
         import torch_xla.core.xla_model as xm
         from torch_xla.core.xla_builder import create_placeholder_tensor
@@ -597,4 +608,4 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         h.update(c.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                  if c.numel() else b"")
     return Traced(name, hlo, params, constants, out_avals, info["tree"], info["statics"],
-                  h.hexdigest()[:24], mutations, rng, len(out_avals) - n_out)
+                  h.hexdigest()[:24], mutations, rng, len(out_avals) - n_out, sources)

@@ -61,7 +61,7 @@ class _Fast:
     so the call skips flattening, keys, tracing-cache and compile-cache lookups
     (docs/architecture.md, Decision 20)."""
     __slots__ = ("program_id", "outs", "kept", "origin", "single", "static", "tree",
-                 "name", "donate", "mutated", "written", "puts", "rng")
+                 "name", "donate", "mutated", "written", "puts", "rng", "traced")
 
     def __init__(self, traced: Traced, compiled: _Compiled, origin: str, name: str,
                  donate: tuple, puts: bool) -> None:
@@ -78,6 +78,7 @@ class _Fast:
         self.written = traced.written_by        # output -> the input it updates
         self.puts = puts                        # CPU tensors among the inputs
         self.rng = traced.rng                   # a seed is drawn and put per call
+        self.traced = traced if traced.sources else None    # to check for staleness
 
     def build(self, arrays: list):
         if self.single:
@@ -232,6 +233,8 @@ class Program:
         there); its outputs, with torch's in-place updates written back, as the general
         path does. _MISS when an input to donate is passed twice (the general path then
         donates neither)."""
+        if f.traced is not None and f.traced.stale():
+            return _MISS                # the general path traces again
         donate = f.donate
         if donate:
             ids = [id(a) for a in inputs if type(a) is Array]
@@ -356,6 +359,12 @@ class Program:
         autocast = torch_paths.autocast_state()
         key = (repr(tree), tuple(key_parts), autocast)
         traced = self._traces.get(key)
+        if traced is not None and traced.stale():
+            # a tensor it read from outside its arguments changed in place: torch would
+            # compute with the new values, so trace again (and forget the fast paths)
+            traced = None
+            self._fast.clear()
+            self._fast_tree.clear()
         if traced is None:
             self._note_retrace(key, args, kwargs)
             t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
