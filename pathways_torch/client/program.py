@@ -178,6 +178,8 @@ class Program:
         # stream, pw.init(seed=)); pw.Trainer passes its own, which its checkpoints hold.
         self._seeds = seeds
         self._traces: dict = {}
+        self._static_seen: dict = {}    # static leaf -> values it took (RetraceWarning)
+        self._static_warned: set = set()
         self._compiled: dict = {}
         self._fast: dict = {}       # (slice uid, (shape, dtype, spec) per arg) -> _Fast
         self._fast_tree: dict = {}  # (slice uid, _tree_key of (args, kwargs)) -> _Fast
@@ -283,8 +285,7 @@ class Program:
         annealed temperature, costs a trace and a compile per value)."""
         tree, parts, autocast = key
         shapes = [p for p in parts if p[0] == "A"]
-        seen = self.__dict__.setdefault("_static_seen", {})     # leaf -> values
-        warned = self.__dict__.setdefault("_static_warned", set())
+        seen, warned = self._static_seen, self._static_warned
         for other in self._traces:
             if other[0] != tree or other[2] != autocast or len(other[1]) != len(parts) or \
                     [p for p in other[1] if p[0] == "A"] != shapes:

@@ -19,7 +19,9 @@ import torch
 
 from ..errors import (ClusterShutdownError, NotInitializedError, PathwaysError, ShardingError,
                       TimeoutError, WorkerLostError)
+from ..client.array import Array
 from .checkpoint import _Checkpoints
+from .programs import split_loss
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -161,7 +163,7 @@ def _run(trainer: "Trainer", batches: "_Batches", start: int, meter: "_Meter",
     def settle(keep: int) -> None:
         while len(pending) > keep:
             i, result, samples, tokens = pending.popleft()
-            value = float(_loss(result))
+            value = float(split_loss(result, Array)[0])
             meter.record(i, value, samples, tokens)
             if on_step is not None:
                 on_step(i + 1, value)
@@ -181,16 +183,6 @@ def _run(trainer: "Trainer", batches: "_Batches", start: int, meter: "_Meter",
             ckpts.save(trainer, i)
             batches.forget_before(i)
     settle(0)
-
-
-def _loss(result: Any) -> Any:
-    """The loss Array of what a step returned (loss_fn's whole result, see
-    ``programs.split_loss``)."""
-    if isinstance(result, Mapping):
-        return result["loss"]
-    if isinstance(result, (tuple, list)):
-        return result[0]
-    return getattr(result, "loss", result)
 
 
 def _split_batch(batch: Any, i: int) -> Tuple[Any, Any]:

@@ -86,18 +86,19 @@ def call_model(model: torch.nn.Module, inputs: Any):
     return model(inputs)
 
 
-def split_loss(result: Any) -> Tuple[torch.Tensor, Any]:
+def split_loss(result: Any, leaf: type = torch.Tensor) -> Tuple[Any, Any]:
     """(the loss, the rest) of what a ``loss_fn`` returned: a tensor is the loss alone
     (the rest None); a tuple or list whose first element is a tensor (Hugging Face's
     ``compute_loss(..., return_outputs=True)``), a dict with ``"loss"`` or an object
-    with ``.loss`` holds the loss beside metrics, and the step returns it whole."""
-    if isinstance(result, torch.Tensor):
+    with ``.loss`` holds the loss beside metrics, and the step returns it whole.
+    ``leaf=Array`` reads the same rule from what a step returned (``fit``)."""
+    if isinstance(result, leaf):
         return result, None
-    if isinstance(result, Mapping) and isinstance(result.get("loss"), torch.Tensor):
+    if isinstance(result, Mapping) and isinstance(result.get("loss"), leaf):
         return result["loss"], result
-    if isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor):
+    if isinstance(result, (tuple, list)) and result and isinstance(result[0], leaf):
         return result[0], result
-    if isinstance(getattr(result, "loss", None), torch.Tensor):
+    if isinstance(getattr(result, "loss", None), leaf):
         return result.loss, result
     raise TraceError(
         f"loss_fn returned a {type(result).__name__}: return the loss (a tensor), or a "
