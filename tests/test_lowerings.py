@@ -4,7 +4,8 @@ torch_xla has no lowering for some ops real models use (bicubic and 1-d/3-d
 interpolation backwards, and off a TPU the nearest and bilinear 2-d ones, grid_sample's backward, cdist's backward, det/slogdet/solve,
 Cholesky, cummin, logcumsumexp, lgamma/digamma (torch.distributions), torch.fft,
 scatter_reduce with include_self=False or "mean", CTC loss, quantile,
-nn.Embedding(max_norm=)...). Capture computes each from
+nn.Embedding(max_norm=), addmm with beta or alpha...), and some it lowers with other
+numbers than torch (a comparison with a Python float, made in double). Capture computes each from
 ops XLA has (lowerings.py, resample.py). Every case runs the same function in a program
 and in plain torch on the CPU, same input and the same random output weighting, and
 compares the value and the input's gradient: within 1e-5, or the looser bound
@@ -41,6 +42,7 @@ SPD = torch.randn(3, 5, 5, generator=_G)
 SQ = torch.randn(3, 4, 4, generator=_G) + 3 * torch.eye(4)
 EDGES = torch.tensor([0, 2, 0, 2])[:, None].expand(4, 16)      # row 1 gets nothing
 LOGITS = torch.randn(10, 3, 5, generator=_G)                     # frames, batch, classes
+LEVELS = torch.tensor([0.4, 0.1, 0.5, 0.3] * 4)                   # float32(0.4), ...
 CTC_TARGETS = torch.tensor([[1, 1, 3, 2], [2, 4, 0, 0], [0, 0, 0, 0]])   # a repeat; padding
 
 CASES = {
@@ -134,6 +136,24 @@ CASES = {
         x, dim=(1, 3))), IMG),
     "stft": (lambda x: torch.stft(x, 8, hop_length=4, window=torch.hann_window(8),
                                   return_complex=True).abs(), VEC),
+    # torch_xla runs these on the CPU when beta or alpha is not 1 (Muon's iteration)
+    "addmm, beta and alpha": (lambda x: torch.addmm(x[:, :4], x, x.T, beta=-0.5,
+                                                    alpha=1.7), VEC),
+    "addmm, beta=0 ignores a NaN input": (lambda x: torch.addmm(
+        torch.full((4, 4), math.nan), x, x.T, beta=0, alpha=2.0), VEC),
+    "addmv": (lambda x: torch.addmv(x[:, 0], x, x[1], beta=0.3, alpha=-2.0), VEC),
+    "addbmm": (lambda x: torch.addbmm(x[:2, :2], x.view(2, 2, 16), x.view(2, 2, 16).mT,
+                                      beta=2.0, alpha=0.5), VEC),
+    # comparisons with a Python float: torch rounds the number to the tensor's dtype
+    # (torch_xla compared in double: float32(0.4) == 0.4 was False)
+    "comparisons with a float, float32": (lambda x: sum(
+        torch.where(cmp, x * k, 0) for k, cmp in enumerate(
+            (LEVELS == 0.4, LEVELS != 0.1, LEVELS > 0.4, LEVELS >= 0.1, LEVELS < 0.3,
+             LEVELS <= 0.3), 1)), VEC),
+    "comparisons with a float, bfloat16 and int64": (lambda x: sum(
+        torch.where(cmp, x * k, 0) for k, cmp in enumerate(
+            (LEVELS.bfloat16() == 0.4, LEVELS.bfloat16() > 0.4, LEVELS.bfloat16() <= 0.1,
+             torch.arange(16) == 3.0000001, torch.arange(16) < 5.0000001), 1)), VEC),
 }
 
 #: looser than TOL: float32 rounding of larger values, or of O(n^2) sums

@@ -1,7 +1,7 @@
 """pw.Trainer's knobs against plain PyTorch on the CPU (same seed, same data).
 
-Every optimizer torch.optim has that the Trainer runs (options included), schedulers
-(passed as ``scheduler=`` or stepped by the user), ``max_grad_norm`` (DataParallel, FSDP,
+Every optimizer torch.optim has that the Trainer runs (options included), a list of
+optimizers (Muon and AdamW), schedulers (passed as ``scheduler=`` or stepped by the user), ``max_grad_norm`` (DataParallel, FSDP,
 Pipeline), ``accumulate=k``, ``precision="bf16"``, ``evaluate``/``predict``, the ways a
 model is called (tuple, dict, a model that returns its own loss), BatchNorm's buffers,
 dropout's RNG (``seed=``, checkpoint resume) and activation checkpointing.
@@ -164,6 +164,14 @@ OPTIMIZERS = {
     "adagrad_lr_decay": lambda ps: torch.optim.Adagrad(
         ps, lr=0.1, lr_decay=0.05, weight_decay=1e-2, initial_accumulator_value=0.1),
     "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0, rho=0.9, weight_decay=1e-2),
+    # eta and the step sizes start from the learning rate; etas=(0.4, ...) catches a
+    # comparison with a float done in double (torch_xla) instead of in float32 (torch)
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=0.05, t0=2, lambd=1e-2, weight_decay=1e-2),
+    "rprop_maximize": lambda ps: torch.optim.Rprop(ps, lr=1e-2, etas=(0.4, 1.3),
+                                                   maximize=True),
+    # Adafactor reads the step count and two norms with .item(); lr=0.8 takes
+    # 1/sqrt(step) for rho after the first step, and the min with lr before
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=0.8, weight_decay=1e-2),
 }
 STEPS = {"radam": 7}
 
@@ -269,6 +277,127 @@ def test_scheduler_equals_torch(s2, name, who):
     # a momentum that changes every step (OneCycleLR) is an input once it has changed:
     # one more trace, not one a step (each of those was a compile)
     assert len(tr._programs["train_step"]._traces) <= 2
+
+
+def test_schedulers_do_not_warn_that_the_optimizer_never_stepped(s2):
+    """torch's schedulers warn when they step before optimizer.step() ("PyTorch will
+    skip the first value of the schedule"): the Trainer's update is that step."""
+    import warnings
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2, scheduler=sched)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(2):
+            tr.step(x, y)
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], \
+        [str(w.message) for w in caught]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def muon_and_adamw(model):
+    """Muon for the weight matrices, AdamW for the biases (Muon takes 2-d parameters
+    only), each with its own schedule."""
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    opts = [torch.optim.Muon(mats, lr=2e-2, weight_decay=0.05),
+            torch.optim.AdamW(rest, lr=1e-2)]
+    return opts, [torch.optim.lr_scheduler.StepLR(opts[0], step_size=2, gamma=0.5),
+                  torch.optim.lr_scheduler.LinearLR(opts[1], 0.5, total_iters=3)]
+
+
+def _train_two(model, opts, scheds, data):
+    out = []
+    for x, y in data:
+        for o in opts:
+            o.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        for o in opts:
+            o.step()
+        for sch in scheds:
+            sch.step()
+        out.append(loss.item())
+    return out
+
+
+def test_a_list_of_optimizers_muon_and_adamw_equals_torch(s2, tmp_path):
+    """``pw.Trainer(model, [muon, adamw], scheduler=[...])`` is the torch loop that
+    steps both. Muon orthogonalizes its update in bfloat16 (torch's Newton-Schulz
+    iteration), where XLA's fused elementwise ops round less often than torch's: the
+    parameters agree within 2x the distance between torch's own bfloat16 iteration and
+    the same iteration in float32, and the losses to 1e-3. AdamW's biases are fp32."""
+    import torch.optim._muon as muon_mod
+    steps = 4
+    data = batches(steps + 1)
+    model = mlp()
+    ref, ref32 = copy.deepcopy(model), copy.deepcopy(model)
+    opts, scheds = muon_and_adamw(model)
+    tr = pw.Trainer(model, opts, F.cross_entropy, slice=s2, scheduler=scheds)
+    got = floats([tr.step(x, y) for x, y in data[:steps]])
+    want = _train_two(ref, *muon_and_adamw(ref), data[:steps])
+
+    def newton_schulz_fp32(grad, coefficients, ns_steps, eps):
+        a, b, c = coefficients
+        g = grad.float().T if grad.size(0) > grad.size(1) else grad.float()
+        g = g / g.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = g @ g.T
+            g = a * g + (b * gram + c * gram @ gram) @ g
+        return (g.T if grad.size(0) > grad.size(1) else g).bfloat16()
+
+    bf16_iteration = muon_mod._zeropower_via_newtonschulz
+    muon_mod._zeropower_via_newtonschulz = newton_schulz_fp32
+    try:
+        _train_two(ref32, *muon_and_adamw(ref32), data[:steps])
+    finally:
+        muon_mod._zeropower_via_newtonschulz = bf16_iteration
+    assert_losses(got, want, rtol=1e-3, atol=1e-3)
+    tr.sync_to()
+    torch_own = max(float((a - b).abs().max()) for a, b in zip(ref.parameters(),
+                                                                   ref32.parameters()))
+    ours = max(float((a - b).abs().max()) for a, b in zip(model.parameters(),
+                                                             ref.parameters()))
+    assert 0 < torch_own and ours <= 2 * torch_own, (ours, torch_own)
+    # each optimizer holds its own parameters' state
+    assert all("momentum_buffer" in st for st in opts[0].state.values())
+    assert all("exp_avg" in st for st in opts[1].state.values())
+    assert len(opts[0].state) == 3 and len(opts[1].state) == 3
+    assert [o.param_groups[0]["lr"] for o in opts] == pytest.approx(
+        [2e-2 * 0.25, 1e-2])
+    # a checkpoint resumes both optimizers and both schedules
+    tr.save(str(tmp_path / "ck"))
+    fresh = mlp(seed=3)
+    opts2, scheds2 = muon_and_adamw(fresh)
+    tr2 = pw.Trainer(fresh, opts2, F.cross_entropy, slice=s2, scheduler=scheds2)
+    tr2.load(str(tmp_path / "ck"))
+    assert [s.last_epoch for s in scheds2] == [steps, steps]
+    x, y = data[steps]
+    assert_losses([float(tr2.step(x, y))], [float(tr.step(x, y))])
+
+
+def test_a_list_of_optimizers_equals_torch_to_float_precision(s2):
+    """Two float32 optimizers (SGD with momentum on the matrices, AdamW on the biases,
+    one scheduled): losses, parameters and both optimizers' state within 1e-5."""
+    def make(model):
+        mats = [p for p in model.parameters() if p.ndim == 2]
+        opts = [torch.optim.SGD(mats, lr=0.1, momentum=0.9),
+                torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2], lr=1e-2)]
+        return opts, [torch.optim.lr_scheduler.StepLR(opts[1], step_size=1, gamma=0.5)]
+    data = batches(3)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    opts, scheds = make(model)
+    tr = pw.Trainer(model, opts, F.cross_entropy, slice=s2, scheduler=scheds)
+    got = floats([tr.step(x, y) for x, y in data])
+    ref_opts, ref_scheds = make(ref)
+    assert_losses(got, _train_two(ref, ref_opts, ref_scheds, data))
+    assert_same_model(tr.sync_to(), ref)
+    for o, ro in zip(opts, ref_opts):
+        for st, rst in zip(o.state.values(), ro.state.values()):
+            for k in rst:
+                torch.testing.assert_close(st[k], rst[k], rtol=TOL, atol=TOL)
 
 
 def test_reduce_lr_on_plateau_stepped_by_the_user_equals_torch(s2):

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import math
+import struct
 from typing import Callable, Dict
 
 import torch
@@ -192,6 +193,75 @@ def searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=
     return before.sum(-1).to(torch.int32 if out_int32 else torch.int64)
 
 
+def _round_to(x: float, dtype: torch.dtype):
+    """``x`` rounded to ``dtype`` as torch converts a number (to nearest, ties to even;
+    bfloat16 through float32, as c10 does); None for other dtypes."""
+    try:
+        if dtype == torch.float64:
+            return x
+        if dtype == torch.float16:
+            return struct.unpack("e", struct.pack("e", x))[0]
+        f32 = struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+    if dtype == torch.float32:
+        return f32
+    if dtype == torch.bfloat16:
+        bits = struct.unpack("I", struct.pack("f", f32))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return struct.unpack("f", struct.pack("I", bits))[0]
+    return None
+
+
+def _compare_scalar(op):
+    """A comparison of a tensor with a Python float. torch rounds the number to the
+    tensor's dtype first (to the default dtype for an integer tensor); torch_xla
+    compares in double, so ``t == 0.4`` was False where t holds float32(0.4), and
+    Rprop with ``etas=(0.4, ...)`` never zeroed its gradients. The rounded number
+    compares the same in both."""
+    def compare(self, other):
+        if not isinstance(other, float) or math.isnan(other) or math.isinf(other):
+            return NotImplemented
+        dtype = self.dtype if self.is_floating_point() else torch.get_default_dtype()
+        rounded = _round_to(other, dtype)
+        if rounded is None or rounded == other:
+            return NotImplemented         # exact already (and so on the second pass)
+        return op(self, rounded)
+    compare.__name__ = op.__name__
+    return compare
+
+
+def _scaled_sum(self: torch.Tensor, product, beta, alpha) -> torch.Tensor:
+    """``beta * self + alpha * product()`` as torch's kernels compute it: in float32 for
+    16-bit floats, rounded once; ``self`` ignored when beta is 0 (its NaNs too)."""
+    low = self.dtype in (torch.bfloat16, torch.float16)
+    out = product(torch.float32 if low else None)
+    if alpha != 1:
+        out = out * alpha
+    if beta != 0:
+        base = self.float() if low else self
+        out = out + (base if beta == 1 else base * beta)
+    return out.to(self.dtype)
+
+
+def _cast(t: torch.Tensor, dtype):
+    return t if dtype is None else t.to(dtype)
+
+
+def addmm(self, mat1, mat2, *, beta=1, alpha=1):
+    """``addmm`` with ``beta``/``alpha`` other than 1, which torch_xla runs on the CPU
+    (Muon's Newton-Schulz iteration, Hugging Face's Conv1D under some configs)."""
+    if beta == 1 and alpha == 1:
+        return NotImplemented
+    return _scaled_sum(self, lambda d: torch.mm(_cast(mat1, d), _cast(mat2, d)), beta, alpha)
+
+
+def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
+    """``addbmm`` (a sum of batched products), which torch_xla runs on the CPU."""
+    return _scaled_sum(self, lambda d: torch.bmm(_cast(batch1, d), _cast(batch2, d)).sum(0),
+                       beta, alpha)
+
+
 def scatter_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
                    reduce: str, *, include_self: bool = True) -> torch.Tensor:
     """``scatter_reduce`` where torch_xla lowers only ``include_self=True`` and not
@@ -266,6 +336,10 @@ def table(device) -> Dict[object, Callable]:
         aten.native_batch_norm_backward.default: batch_norm_backward_eval,
         aten.searchsorted.Tensor: searchsorted,
         aten.scatter_reduce.two: scatter_reduce,
+        aten.addmm.default: addmm,
+        **{getattr(aten, name).Scalar: _compare_scalar(getattr(aten, name).Scalar)
+           for name in ("eq", "ne", "lt", "le", "gt", "ge")},
+        aten.addbmm.default: addbmm,
         aten.lgamma.default: special.lgamma,
         aten.digamma.default: special.digamma,
         aten.polygamma.default: special.polygamma,

@@ -20,6 +20,7 @@ Example (what the step program does, on traced tensors)::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Dict, List
@@ -31,12 +32,24 @@ from ..errors import PathwaysError
 
 #: torch.optim optimizers whose update is tensor arithmetic.
 SUPPORTED = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad",
-             "Adadelta")
+             "Adadelta", "ASGD", "Rprop", "Muon", "Adafactor")
 
 
 class UnsupportedOptimizer(PathwaysError, TypeError):
     """pw.Trainer runs torch.optim's SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop,
-    Adagrad and Adadelta."""
+    Adagrad, Adadelta, ASGD, Rprop, Muon and Adafactor."""
+
+
+_WHY = {
+    "LBFGS": ("its step calls a closure that re-evaluates the loss several times and "
+              "decides on the values (line search), where a step is one compiled program"),
+    "SparseAdam": "it takes sparse gradients, and a step computes dense ones: use Adam",
+}
+_OTHER = ("an optimizer from outside torch.optim is not traced (such code often keeps "
+          "Python step counts or reads values with .item(), which a compiled step cannot "
+          "follow): use the torch.optim class it matches (AdamW, NAdam with "
+          "decoupled_weight_decay=True, RAdam, Adafactor, Muon), or a list of them "
+          "over disjoint parameters")
 
 
 #: float hyperparameters of the step that may become inputs (``Hyper``) once they
@@ -58,17 +71,105 @@ def floats(opt: torch.optim.Optimizer) -> List[Dict[str, object]]:
              for k, v in g.items() if k in DYNAMIC} for g in opt.param_groups]
 
 
-def describe(opt: torch.optim.Optimizer, dynamic: frozenset = frozenset()) -> Dict:
-    """The optimizer's class and, per parameter group, the constructor arguments of
-    the traced copy (hashable: they are part of the program's cache key). A name in
-    ``dynamic`` is keyed by its value's sign only: its value is an input
+class Chain:
+    """Several optimizers over disjoint parameters, stepped together, as one: what
+    ``pw.Trainer`` makes of a list (Muon for the weight matrices and AdamW for the
+    rest). ``param_groups`` lists every optimizer's groups (the same dicts, so their
+    schedulers' writes are seen); ``state`` reads and writes each parameter's state in
+    the optimizer that holds it.
+
+    Example::
+
+        opts = [torch.optim.Muon(matrices, lr=2e-2), torch.optim.AdamW(others, lr=1e-3)]
+        trainer = pw.Trainer(model, opts, loss_fn, slice=s)
+    """
+
+    def __init__(self, optimizers) -> None:
+        self.optimizers = list(optimizers)
+        owner: Dict[int, torch.optim.Optimizer] = {}
+        for o in self.optimizers:
+            if not isinstance(o, torch.optim.Optimizer):
+                raise UnsupportedOptimizer(f"a list of optimizers holds a "
+                                           f"{type(o).__name__}, not a torch.optim.Optimizer")
+            for g in o.param_groups:
+                for p in g["params"]:
+                    if owner.setdefault(id(p), o) is not o:
+                        raise UnsupportedOptimizer(
+                            f"a parameter of shape {list(p.shape)} is in both "
+                            f"{type(owner[id(p)]).__name__} and {type(o).__name__}: give "
+                            "each parameter to one optimizer")
+        self._owner = owner
+
+    @property
+    def param_groups(self) -> List[Dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> "_ChainState":
+        return _ChainState(self)
+
+    def __repr__(self) -> str:
+        return f"Chain({', '.join(type(o).__name__ for o in self.optimizers)})"
+
+
+class _ChainState:
+    """``Chain.state``: each parameter's state in its own optimizer (a defaultdict
+    there, as in torch)."""
+
+    def __init__(self, chain: Chain) -> None:
+        self._chain = chain
+
+    def _of(self, p) -> Dict:
+        o = self._chain._owner.get(id(p))
+        if o is None:
+            raise KeyError(p)
+        return o.state
+
+    def __getitem__(self, p):
+        return self._of(p)[p]
+
+    def __setitem__(self, p, value) -> None:
+        self._of(p)[p] = value
+
+    def __contains__(self, p) -> bool:
+        o = self._chain._owner.get(id(p))
+        return o is not None and p in o.state
+
+    def get(self, p, default=None):
+        return self[p] if p in self else default
+
+    def values(self):
+        return [v for o in self._chain.optimizers for v in o.state.values()]
+
+    def items(self):
+        return [kv for o in self._chain.optimizers for kv in o.state.items()]
+
+
+def members(opt) -> List[torch.optim.Optimizer]:
+    """The optimizers ``opt`` stands for: itself, or a Chain's."""
+    return opt.optimizers if isinstance(opt, Chain) else [opt]
+
+
+def describe(opt, dynamic: frozenset = frozenset()) -> Dict:
+    """The optimizer's classes (``members``: each with its number of parameter groups;
+    one unless ``opt`` is a ``Chain``) and, per parameter group, the constructor
+    arguments of the traced copy (hashable: they are part of the program's cache key).
+    A name in ``dynamic`` is keyed by its value's sign only: its value is an input
     (``scalars``)."""
+    classes, groups = [], []
+    for o in members(opt):
+        classes.append((type(o), len(o.param_groups)))
+        groups.extend(_describe_groups(o, dynamic))
+    return {"members": tuple(classes), "groups": tuple(groups)}
+
+
+def _describe_groups(opt: torch.optim.Optimizer, dynamic: frozenset) -> List[tuple]:
     cls = type(opt)
     if cls.__module__.split(".")[:2] != ["torch", "optim"] or cls.__name__ not in SUPPORTED:
         raise UnsupportedOptimizer(
             f"pw.Trainer runs torch.optim's {', '.join(SUPPORTED[:-1])} and "
-            f"{SUPPORTED[-1]}, not {cls.__module__}.{cls.__name__} (its update needs "
-            "values read back in Python, or is not torch.optim's)")
+            f"{SUPPORTED[-1]}, not {cls.__module__}.{cls.__name__}: "
+            + _WHY.get(cls.__name__, _OTHER))
     params = _constructor_args(cls)
     groups = []
     for g in opt.param_groups:
@@ -86,7 +187,7 @@ def describe(opt: torch.optim.Optimizer, dynamic: frozenset = frozenset()) -> Di
         if "capturable" in params:
             kw["capturable"] = True
         groups.append(tuple(sorted(kw.items())))
-    return {"cls": cls, "kind": cls.__name__, "groups": tuple(groups)}
+    return groups
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,23 +214,34 @@ def _numbers(kw: tuple) -> Dict:
     return {k: stand_in(v[1]) if _dynamic(v) else v for k, v in kw}
 
 
-def _traced_copy(spec: Dict, params: List[List[torch.Tensor]]):
-    groups = [dict(params=ps, lr=1e-3, **_numbers(kw)) for ps, kw in zip(params, spec["groups"])]
-    return spec["cls"](groups, lr=1e-3)
+def _split(spec: Dict):
+    """(class, first group, end) of each optimizer the spec describes."""
+    at = 0
+    for cls, n in spec["members"]:
+        yield cls, at, at + n
+        at += n
+
+
+def _traced_copy(cls, kws, params: List[List[torch.Tensor]], lr: float = 1e-3):
+    groups = [dict(params=ps, lr=lr, **_numbers(kw)) for ps, kw in zip(params, kws)]
+    return cls(groups, lr=lr)
 
 
 class _StopAfterInit(Exception):
     pass
 
 
-def initial_state(spec: Dict, group: int, params: List[torch.Tensor]) -> List[Dict]:
+def initial_state(spec: Dict, group: int, params: List[torch.Tensor], lr: float
+                  ) -> List[Dict]:
     """torch's own initial state of ``params`` (CPU tensors) in group ``group``, made
-    by the optimizer's ``_init_group`` (stopped before it updates anything).
+    by the optimizer's ``_init_group`` (stopped before it updates anything), at the
+    group's learning rate ``lr`` (Rprop's step sizes and ASGD's eta start from it).
 
     SGD's momentum buffer is the exception torch makes: absent until the first step,
     which copies the gradient (a buffer of zeros gives the same numbers only without
     dampening, so it starts as zeros then and absent otherwise)."""
-    if spec["kind"] == "SGD":
+    cls = next(c for c, lo, hi in _split(spec) if lo <= group < hi)
+    if cls.__name__ == "SGD":
         kw = _numbers(spec["groups"][group])
         if kw.get("momentum", 0) and not kw.get("dampening", 0):
             return [{"momentum_buffer": torch.zeros_like(p)} for p in params]
@@ -137,7 +249,7 @@ def initial_state(spec: Dict, group: int, params: List[torch.Tensor]) -> List[Di
     ps = [p.detach().clone().requires_grad_() for p in params]
     for p in ps:
         p.grad = torch.zeros_like(p)
-    opt = _traced_copy(dict(spec, groups=(spec["groups"][group],)), [ps])
+    opt = _traced_copy(cls, [spec["groups"][group]], [ps], lr)
     init = opt._init_group
 
     def init_only(*args, **kwargs):
@@ -160,23 +272,76 @@ def update(spec: Dict, params: List[List[torch.Tensor]], grads: List[List[torch.
     tensors of ``states`` in place; returns every parameter's state afterwards (state
     the step created, SGD's first momentum buffer, is new there). ``inputs``: each
     group's ``scalars``."""
-    opt = _traced_copy(spec, params)
-    for g, kw, ins in zip(opt.param_groups, spec["groups"], inputs):
-        # a tensor that requires grad takes torch.optim's tensor-lr paths everywhere
-        g["lr"] = ins["lr"].detach().requires_grad_()
-        for k, v in kw:
-            if _dynamic(v):
-                t = ins[k]
-                g[k] = (tuple(Hyper(x, t[i]) for i, x in enumerate(g[k]))
-                        if isinstance(g[k], tuple) else Hyper(g[k], t))
-    for ps, gs, sts in zip(params, grads, states):
-        for p, grad, st in zip(ps, gs, sts):
-            p.grad = grad
-            if st:
-                opt.state[p] = dict(st)
-    with torch.no_grad(), _TensorScalars():
-        opt.step()
-    return [[opt.state[p] for p in ps] for ps in params]
+    after = []
+    for cls, lo, hi in _split(spec):
+        opt = _traced_copy(cls, spec["groups"][lo:hi], params[lo:hi])
+        for g, kw, ins in zip(opt.param_groups, spec["groups"][lo:hi], inputs[lo:hi]):
+            # a tensor that requires grad takes torch.optim's tensor-lr paths everywhere
+            g["lr"] = ins["lr"].detach().requires_grad_()
+            for k, v in kw:
+                if _dynamic(v):
+                    t = ins[k]
+                    g[k] = (tuple(Hyper(x, t[i]) for i, x in enumerate(g[k]))
+                            if isinstance(g[k], tuple) else Hyper(g[k], t))
+        for ps, gs, sts in zip(params[lo:hi], grads[lo:hi], states[lo:hi]):
+            for p, grad, st in zip(ps, gs, sts):
+                p.grad = grad
+                if st:
+                    opt.state[p] = dict(st)
+        with torch.no_grad(), _TensorScalars(), _traceable(cls.__name__):
+            opt.step()
+        after.extend([opt.state[p] for p in ps] for ps in params[lo:hi])
+    return after
+
+
+@contextlib.contextmanager
+def _traceable(kind: str):
+    """torch.optim's code with its reads of values replaced, for the optimizers whose
+    update reads them (Adafactor: the step count and two norms, through ``.item()``)."""
+    if kind != "Adafactor":
+        yield
+        return
+    from torch.optim import _adafactor
+    old = _adafactor._single_tensor_adafactor
+    _adafactor._single_tensor_adafactor = _adafactor_update
+    try:
+        yield
+    finally:
+        _adafactor._single_tensor_adafactor = old
+
+
+def _adafactor_update(params, grads, row_vars, col_vars, variances, state_steps,
+                      grad_scale, found_inf, *, d, lr, beta2_decay, weight_decay, eps1,
+                      eps2, maximize, has_complex):
+    """torch.optim's ``_single_tensor_adafactor`` (torch 2.9), line for line, with its
+    three ``.item()`` reads and the Python ``min``/``max`` of them as tensor ops."""
+    for i, param in enumerate(params):
+        grad = grads[i] if not maximize else -grads[i]
+        step_t = state_steps[i]
+        row_var, col_var, variance = row_vars[i], col_vars[i], variances[i]
+        if eps1 is None:
+            eps1 = torch.finfo(param.dtype).eps
+        step_t += 1
+        one_minus_beta2_t = step_t ** beta2_decay
+        rho_t = torch.clamp(1 / step_t.sqrt(), max=lr) if not isinstance(lr, torch.Tensor) \
+            else torch.minimum(lr, 1 / step_t.sqrt())
+        alpha = torch.clamp(param.norm(2) / (param.numel() ** 0.5), min=eps2) * rho_t
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        if grad.dim() > 1:
+            row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
+            row_var.lerp_(row_mean, one_minus_beta2_t)
+            col_mean = torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2))
+            col_var.lerp_(col_mean, one_minus_beta2_t)
+            var_estimate = row_var @ col_var
+            var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+        else:
+            variance.lerp_(grad * grad, one_minus_beta2_t)
+            var_estimate = variance.clone()
+        update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
+        update.mul_(grad)
+        denom = torch.clamp(update.norm(2) / ((update.numel() ** 0.5) * d), min=1.0)
+        param.add_(update * (-alpha / denom).to(update.dtype))
 
 
 class Hyper(float):

@@ -56,6 +56,11 @@ class Trainer:
     (``model(*x)``) or a dict (``model(**x)``); with ``loss_fn=None`` the model returns
     its own loss (Hugging Face: labels inside ``inputs``, ``.loss`` in the output).
 
+    ``optimizer`` is a torch.optim optimizer of the model's parameters, or a list of
+    them over disjoint parameters, stepped together (Muon for the weight matrices and
+    AdamW for the rest), with ``scheduler`` then a list too (one per optimizer that
+    has one).
+
     ``max_grad_norm`` clips the global gradient norm before each update (as
     ``torch.nn.utils.clip_grad_norm_``); ``accumulate=k`` makes every k calls of
     ``step`` one update (equal to one step on the k micro-batches concatenated);
@@ -69,20 +74,25 @@ class Trainer:
     checkpoints hold the stream's position.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: torch.nn.Module, optimizer: Any,
                  loss_fn: Optional[Callable] = None, *, slice=None, parallelism=None,
                  max_grad_norm: Optional[float] = None, accumulate: int = 1,
                  precision: Optional[str] = None, scheduler=None,
                  seed: Optional[int] = None) -> None:
         model = _uncompiled(model)
+        if isinstance(optimizer, (list, tuple)):
+            optimizer = fopt.Chain(optimizer)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.options = Options(max_grad_norm, int(accumulate), precision)
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise PathwaysError(
-                "ReduceLROnPlateau steps on a metric you measure, which the Trainer "
-                "does not have: leave scheduler= out and call "
-                "sched.step(float(trainer.evaluate(x, y))) yourself (once an epoch, as "
-                "in torch); every step reads the learning rate it writes")
+        if isinstance(scheduler, (list, tuple)):
+            scheduler = _Schedulers(scheduler) if scheduler else None
+        for sch in getattr(scheduler, "schedulers", [scheduler]):
+            if isinstance(sch, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                raise PathwaysError(
+                    "ReduceLROnPlateau steps on a metric you measure, which the Trainer "
+                    "does not have: leave it out of scheduler= and call "
+                    "sched.step(float(trainer.evaluate(x, y))) yourself (once an epoch, "
+                    "as in torch); every step reads the learning rate it writes")
         self.scheduler = scheduler
         self.opt = fopt.describe(optimizer)
         # float hyperparameters seen to change between steps (a OneCycleLR's momentum),
@@ -192,7 +202,8 @@ class Trainer:
         out, wanted = {}, set(wanted)
         for gi, group in enumerate(self._groups):
             names = [n for n in group if n in wanted]
-            fresh = fopt.initial_state(self.opt, gi, [self._held[n] for n in names])
+            fresh = fopt.initial_state(self.opt, gi, [self._held[n] for n in names],
+                                       float(self.optimizer.param_groups[gi]["lr"]))
             for n, st in zip(names, fresh):
                 existing = self.optimizer.state.get(self._held[n], {})
                 out[n] = ({k: v.detach().clone() for k, v in existing.items()
@@ -327,6 +338,8 @@ class Trainer:
                 return loss
             self.micro = 0
         self.steps += 1
+        for opt in fopt.members(self.optimizer):
+            opt._opt_called = True      # what optimizer.step() tells torch's schedulers
         if self.scheduler is not None:
             self.scheduler.step()
         return loss
@@ -622,6 +635,24 @@ def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, OptimizedModule):
         model = model._orig_mod
     return model
+
+
+class _Schedulers:
+    """A list of schedulers (one per optimizer of a list) stepped and saved together."""
+
+    def __init__(self, schedulers) -> None:
+        self.schedulers = list(schedulers)
+
+    def step(self) -> None:
+        for sch in self.schedulers:
+            sch.step()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"schedulers": [sch.state_dict() for sch in self.schedulers]}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        for sch, one in zip(self.schedulers, sd["schedulers"]):
+            sch.load_state_dict(one)
 
 
 def _plain(name: str) -> str:
