@@ -291,7 +291,8 @@ class Program:
                     [p for p in other[1] if p[0] == "A"] != shapes:
                 continue
             for i, (mine, theirs) in enumerate(zip(parts, other[1])):
-                if mine[0] == "S" and mine != theirs:
+                if mine[0] == "S" and mine != theirs and \
+                        not getattr(mine[2], "warns_itself", False):
                     values = seen.setdefault(i, {theirs[2]})
                     values.add(mine[2])
                     if len(values) >= self.RETRACE_WARN_AT and i not in warned:

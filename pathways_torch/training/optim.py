@@ -20,15 +20,18 @@ Example (what the step program does, on traced tensors)::
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import functools
 import inspect
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ..errors import PathwaysError
+from . import numbers
 
 #: torch.optim optimizers whose update is tensor arithmetic.
 SUPPORTED = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad",
@@ -69,6 +72,10 @@ def floats(opt: torch.optim.Optimizer) -> List[Dict[str, object]]:
     """Each group's hyperparameters of ``DYNAMIC`` (numbers, or tuples of numbers)."""
     return [{k: (tuple(v) if isinstance(v, (tuple, list)) else v)
              for k, v in g.items() if k in DYNAMIC} for g in opt.param_groups]
+
+
+#: in a group's inputs, the prefix of a generic optimizer's 0-d group tensors
+GROUP_TENSOR = "pw.group."
 
 
 class Chain:
@@ -158,13 +165,51 @@ def describe(opt, dynamic: frozenset = frozenset()) -> Dict:
     (``scalars``)."""
     classes, groups = [], []
     for o in members(opt):
-        classes.append((type(o), len(o.param_groups)))
+        classes.append((type(o), len(o.param_groups), o))
         groups.extend(_describe_groups(o, dynamic))
     return {"members": tuple(classes), "groups": tuple(groups)}
 
 
+def generic(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s own ``step`` is traced with its Python numbers followed
+    (numbers.py): an optimizer from outside torch.optim (timm's, the user's own)."""
+    cls = type(opt)
+    return not (cls.__module__.split(".")[:2] == ["torch", "optim"]
+                and cls.__name__ in SUPPORTED) and cls.__name__ not in _WHY
+
+
+def _describe_generic(opt: torch.optim.Optimizer) -> List[tuple]:
+    """A traced optimizer's groups by what is not a number (flags, names: constants of
+    the trace); its numbers are sources (numbers.py)."""
+    groups = []
+    for g in opt.param_groups:
+        kw = []
+        for k in sorted(g):
+            v = g[k]
+            if k == "params" or numbers.is_number(v) or (
+                    isinstance(v, torch.Tensor) and v.dim() == 0):
+                continue            # numbers are sources; 0-d tensors group state
+            if isinstance(v, (tuple, list)):
+                v = tuple(None if numbers.is_number(x) else x for x in v)
+            try:
+                hash(v)
+            except TypeError:
+                raise UnsupportedOptimizer(
+                    f"{type(opt).__name__}'s param group holds {k}={type(v).__name__}, "
+                    "which a compiled step cannot take: numbers, flags and names only")
+            if isinstance(v, torch.Tensor):
+                raise UnsupportedOptimizer(
+                    f"{type(opt).__name__}'s param group holds {k}, a tensor of shape "
+                    f"{list(v.shape)}: numbers, flags, names and 0-d tensors only")
+            kw.append((k, v))
+        groups.append((("pw.generic", True),) + tuple(kw))
+    return groups
+
+
 def _describe_groups(opt: torch.optim.Optimizer, dynamic: frozenset) -> List[tuple]:
     cls = type(opt)
+    if generic(opt):
+        return _describe_generic(opt)
     if cls.__module__.split(".")[:2] != ["torch", "optim"] or cls.__name__ not in SUPPORTED:
         raise UnsupportedOptimizer(
             f"pw.Trainer runs torch.optim's {', '.join(SUPPORTED[:-1])} and "
@@ -215,10 +260,11 @@ def _numbers(kw: tuple) -> Dict:
 
 
 def _split(spec: Dict):
-    """(class, first group, end) of each optimizer the spec describes."""
+    """(class, first group, end) of each optimizer the spec describes; a generic
+    one's class is None."""
     at = 0
-    for cls, n in spec["members"]:
-        yield cls, at, at + n
+    for cls, n, opt in spec["members"]:
+        yield (None if generic(opt) else cls), at, at + n
         at += n
 
 
@@ -241,6 +287,8 @@ def initial_state(spec: Dict, group: int, params: List[torch.Tensor], lr: float
     which copies the gradient (a buffer of zeros gives the same numbers only without
     dampening, so it starts as zeros then and absent otherwise)."""
     cls = next(c for c, lo, hi in _split(spec) if lo <= group < hi)
+    if cls is None:
+        return [{} for _ in params]          # a generic step creates its state
     if cls.__name__ == "SGD":
         kw = _numbers(spec["groups"][group])
         if kw.get("momentum", 0) and not kw.get("dampening", 0):
@@ -267,31 +315,122 @@ def initial_state(spec: Dict, group: int, params: List[torch.Tensor], lr: float
 
 def update(spec: Dict, params: List[List[torch.Tensor]], grads: List[List[torch.Tensor]],
            states: List[List[Dict[str, torch.Tensor]]],
-           inputs: List[Dict[str, torch.Tensor]]) -> List[List[Dict[str, torch.Tensor]]]:
+           inputs: List[Dict[str, torch.Tensor]], names: List[List[str]]
+           ) -> Tuple[List[List[Dict[str, torch.Tensor]]], Dict]:
     """One optimizer step on traced tensors, per group: updates ``params`` and the
-    tensors of ``states`` in place; returns every parameter's state afterwards (state
-    the step created, SGD's first momentum buffer, is new there). ``inputs``: each
-    group's ``scalars``."""
-    after = []
-    for cls, lo, hi in _split(spec):
-        opt = _traced_copy(cls, spec["groups"][lo:hi], params[lo:hi])
-        for g, kw, ins in zip(opt.param_groups, spec["groups"][lo:hi], inputs[lo:hi]):
-            # a tensor that requires grad takes torch.optim's tensor-lr paths everywhere
-            g["lr"] = ins["lr"].detach().requires_grad_()
-            for k, v in kw:
-                if _dynamic(v):
-                    t = ins[k]
-                    g[k] = (tuple(Hyper(x, t[i]) for i, x in enumerate(g[k]))
-                            if isinstance(g[k], tuple) else Hyper(g[k], t))
-        for ps, gs, sts in zip(params[lo:hi], grads[lo:hi], states[lo:hi]):
-            for p, grad, st in zip(ps, gs, sts):
-                p.grad = grad
-                if st:
-                    opt.state[p] = dict(st)
-        with torch.no_grad(), _TensorScalars(), _traceable(cls.__name__):
-            opt.step()
-        after.extend([opt.state[p] for p in ps] for ps in params[lo:hi])
-    return after
+    tensors of ``states`` in place; returns every parameter's state afterwards, and
+    the 0-d tensors generic steps made in their groups by (group, key) (state
+    the step created, SGD's first momentum buffer, is new there; a generic step's
+    state may replace a tensor). ``inputs``: each group's ``scalars`` (the first
+    group's holding the generic steps' numbers, ``"pw.numbers"``); ``names``: the
+    parameters' names, by group."""
+    after, rec = [], None
+    with contextlib.ExitStack() as stack:
+        book = spec.get("book")
+        if book is not None and any(c is None for c, _, _ in _split(spec)):
+            layout, slot, sources = book.pending
+            rec = stack.enter_context(numbers.recording(book, layout, slot))
+            vec = inputs[0]["pw.numbers"]
+            nums = numbers.nums(sources, vec)
+        for (cls, lo, hi), (_, _, user) in zip(_split(spec), spec["members"]):
+            if cls is None:
+                after.extend(_generic_step(user, book, nums, lo, params[lo:hi],
+                                           grads[lo:hi], states[lo:hi], names[lo:hi],
+                                           inputs[lo:hi]))
+            else:
+                after.extend(_torch_step(cls, spec["groups"][lo:hi], params[lo:hi],
+                                         grads[lo:hi], states[lo:hi], inputs[lo:hi]))
+    return after, (rec.group_tensors if rec is not None else {})
+
+
+def _torch_step(cls, kws, params, grads, states, inputs) -> List[List[Dict]]:
+    """torch.optim's update over its groups, on a copy of the class (capturable, lr
+    and changing hyperparameters as inputs)."""
+    opt = _traced_copy(cls, kws, params)
+    for g, kw, ins in zip(opt.param_groups, kws, inputs):
+        # a tensor that requires grad takes torch.optim's tensor-lr paths everywhere
+        g["lr"] = ins["lr"].detach().requires_grad_()
+        for k, v in kw:
+            if _dynamic(v):
+                t = ins[k]
+                g[k] = (tuple(Hyper(x, t[i]) for i, x in enumerate(g[k]))
+                        if isinstance(g[k], tuple) else Hyper(g[k], t))
+    for ps, gs, sts in zip(params, grads, states):
+        for p, grad, st in zip(ps, gs, sts):
+            p.grad = grad
+            if st:
+                opt.state[p] = dict(st)
+    with torch.no_grad(), _TensorScalars(), _traceable(cls.__name__):
+        opt.step()
+    return [[opt.state[p] for p in ps] for ps in params]
+
+
+def _generic_step(user: torch.optim.Optimizer, book, nums: Dict, first: int, params,
+                  grads, states, names, inputs) -> List[List[Dict]]:
+    """The user's optimizer's own ``step`` on a shallow copy holding the traced
+    parameters and state, its Python numbers as ``Num``s (numbers.py), and its groups'
+    0-d tensors (timm's Lamb keeps its step count in one) as inputs. Records in the
+    book's trace what the step left: numbers of state and groups (recomputed on the
+    client after each step), the group tensors it made, and guards."""
+    cls = type(user)
+    opt = copy.copy(user)
+    opt.param_groups, opt.state = [], collections.defaultdict(dict)
+    given = {}
+    for gi, (g, ps, ins) in enumerate(zip(user.param_groups, params, inputs), first):
+        g2 = {}
+        for k, v in g.items():
+            if isinstance(v, (tuple, list)) and any(numbers.is_number(x) for x in v):
+                v = type(v)(nums.get(("g", gi, k, i), x) for i, x in enumerate(v))
+            elif not isinstance(v, torch.Tensor):
+                v = nums.get(("g", gi, k, -1), v)
+            g2[k] = v
+        for k, t in ins.items():
+            if k.startswith(GROUP_TENSOR):
+                g2[k[len(GROUP_TENSOR):]] = t
+        g2["params"] = ps
+        opt.param_groups.append(g2)
+        given[gi] = dict(g2)
+    for ps, gs, sts, ns in zip(params, grads, states, names):
+        for p, grad, st, n in zip(ps, gs, sts, ns):
+            p.grad = grad
+            held = {k: nums[("s", n, k, -1)] for k in book.mirror.get(n, ())}
+            if st or held:
+                opt.state[p] = {**st, **held}
+    with torch.no_grad(), _TensorScalars(), numbers.traced_math(cls):
+        cls.step(opt)
+    rec = book.recording
+    for gi, g2 in enumerate(opt.param_groups, first):
+        for k, v in g2.items():
+            if k == "params" or (k in given[gi] and v is given[gi][k]):
+                continue
+            if isinstance(v, torch.Tensor):
+                if v.dim() != 0:
+                    raise UnsupportedOptimizer(
+                        f"{cls.__name__} keeps {k}, a tensor of shape {list(v.shape)}, "
+                        "in a param group: a compiled step keeps 0-d tensors there")
+                rec.group_tensors[(gi, k)] = v      # made or replaced by the step
+            elif numbers.is_number(v) or isinstance(v, numbers.Num):
+                rec.groups[(gi, k)] = numbers.output(v)
+            elif isinstance(v, tuple) and any(isinstance(x, numbers.Num) or
+                                              numbers.is_number(x) for x in v):
+                rec.groups[(gi, k)] = tuple(numbers.output(x) for x in v)
+    out = []
+    for ps, ns in zip(params, names):
+        part = []
+        for p, n in zip(ps, ns):
+            tensors = {}
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    tensors[k] = v
+                elif numbers.is_number(v) or isinstance(v, numbers.Num):
+                    rec.state[(n, k)] = numbers.output(v)
+                else:
+                    raise UnsupportedOptimizer(
+                        f"{cls.__name__} keeps state[{k!r}] = {type(v).__name__} for "
+                        f"parameter {n!r}: a compiled step keeps tensors and numbers")
+            part.append(tensors)
+        out.append(part)
+    return out
 
 
 @contextlib.contextmanager
@@ -379,6 +518,8 @@ Hyper.__neg__ = lambda self: Hyper(-float(self), -self.t)
 
 
 def _tensors(x, dtype):
+    if isinstance(x, numbers.Num):
+        return numbers.to_tensors(x, dtype)
     if isinstance(x, Hyper):
         return x.t.to(dtype) if dtype is not None else x.t
     if isinstance(x, (tuple, list)):
@@ -397,7 +538,9 @@ class _TensorScalars(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(isinstance(a, Hyper) for a in (*args, *kwargs.values())):
+        if any(isinstance(a, (Hyper, numbers.Num)) or (isinstance(a, (tuple, list)) and any(
+                isinstance(x, (Hyper, numbers.Num)) for x in a))
+               for a in (*args, *kwargs.values())):
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
             dtype = first.dtype if first is not None and first.is_floating_point() else None
             args, kwargs = _tensors(args, dtype), {k: _tensors(v, dtype)

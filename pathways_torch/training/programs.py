@@ -185,10 +185,15 @@ def gradients(loss: torch.Tensor, params: Dict[str, torch.Tensor]) -> Dict[str, 
     return dict(zip(names, gs))
 
 
+#: in what a step created, the 0-d tensors a generic optimizer made in its groups
+GROUP_TENSORS = "pw.groups"
+
+
 def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, params,
                     grads, states, lrs):
     """``clip_grad_norm_`` (when asked) and the optimizer step, in place; returns the
-    state the step created (absent from ``states``), per parameter name."""
+    state the step created (absent from ``states``) or replaced (a generic step may
+    assign a new tensor), per parameter name."""
     with torch.no_grad():
         if options.max_grad_norm is not None:
             with_grad = [params[n] for n in params if grads.get(n) is not None]
@@ -198,14 +203,16 @@ def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, param
             grads = {n: params[n].grad for n in params}
             for n in params:
                 params[n].grad = None
-    after = fopt.update(spec, [[params[n] for n in g] for g in groups],
+    after, group_tensors = fopt.update(spec, [[params[n] for n in g] for g in groups],
                         [[grads.get(n) for n in g] for g in groups],
-                        [[states[n] for n in g] for g in groups], lrs)
+                        [[states[n] for n in g] for g in groups], lrs, groups)
     created = {}
+    if group_tensors:
+        created[GROUP_TENSORS] = {f"{gi}:{k}": t for (gi, k), t in group_tensors.items()}
     for g, sts in zip(groups, after):
         for n, st in zip(g, sts):
-            new = {k: v for k, v in st.items()
-                   if k not in states[n] and isinstance(v, torch.Tensor)}
+            new = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)
+                   and (k not in states[n] or v is not states[n][k])}
             if new:
                 created[n] = new
     return created
@@ -259,6 +266,8 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
                 grads = {n: (acc[n] / k if g is not None else None) for n, g in grads.items()}
                 for t in acc.values():
                     t.zero_()
+        if spec.get("book") is not None:
+            hyper = hyper[0]        # beside it, the trace of the numbers (a key only)
         created = clip_and_update(dict(spec, groups=hyper), groups, options, params, grads,
                                   states, lrs)
         return returned(loss, rest), created

@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -41,12 +42,13 @@ from ..errors import PathwaysError
 from ..parallel.strategies import DataParallel, MultiIsland, Pipeline, mesh_sizes
 from ..sharding import P, validate_spec
 from . import elastic
-from . import optim as fopt
+from . import numbers, optim as fopt
 from .batches import _place_batch
 from .elastic import Restart
 from .islands import multi_island_step
 from .pipeline import _split_stages, pipeline_eval, pipeline_step
-from .programs import (Options, make_eval_fn, make_predict_fn, make_step_fn)
+from .programs import (GROUP_TENSORS, Options, make_eval_fn, make_predict_fn,
+                       make_step_fn)
 
 
 class Trainer:
@@ -94,7 +96,10 @@ class Trainer:
                     "sched.step(float(trainer.evaluate(x, y))) yourself (once an epoch, "
                     "as in torch); every step reads the learning rate it writes")
         self.scheduler = scheduler
-        self.opt = fopt.describe(optimizer)
+        # the Python numbers of optimizers whose own step is traced (numbers.py)
+        self._book = (numbers.Book() if any(fopt.generic(o) for o in fopt.members(optimizer))
+                      else None)
+        self.opt = dict(fopt.describe(optimizer), book=self._book)
         # float hyperparameters seen to change between steps (a OneCycleLR's momentum),
         # inputs of the step from then on rather than part of its key
         self._dynamic: frozenset = frozenset()
@@ -108,6 +113,12 @@ class Trainer:
             raise PathwaysError("pw.Trainer needs slice= (or a Pipeline / MultiIsland "
                                 "parallelism that names its slices)")
         self.parallelism = parallelism
+        if isinstance(parallelism, (Pipeline, MultiIsland)) and self._book is not None:
+            raise PathwaysError(
+                f"{type(parallelism).__name__} runs torch.optim's optimizers; "
+                f"{', '.join(type(o).__name__ for o in fopt.members(optimizer) if fopt.generic(o))}"
+                " is traced with its Python numbers, which DataParallel, "
+                "FullyShardedDataParallel and TensorParallel follow")
         if isinstance(parallelism, (Pipeline, MultiIsland)) and accumulate > 1:
             raise PathwaysError(f"accumulate={accumulate} runs with DataParallel, FSDP and "
                                 f"TensorParallel; a {type(parallelism).__name__} step "
@@ -153,6 +164,12 @@ class Trainer:
                              for n in self._group_of} if self.options.accumulate > 1 else {})
         self.steps = next((int(st["step"]) for st in optimizer.state.values()
                            if "step" in st), 0)
+        if self._book is not None:    # 0-d tensors a generic optimizer keeps in its groups
+            for gi in self._generic_groups():
+                for k, v in optimizer.param_groups[gi].items():
+                    if isinstance(v, torch.Tensor) and v.dim() == 0:
+                        self._book.group_tensors[(gi, k)] = put(v.detach().clone(),
+                                                                self.slices[0], P())
         self.micro = 0                                # micro-steps since the last update
         self.seeds = SeedStream(torch.initial_seed() if seed is None else seed)
         self._programs: Dict[str, Program] = {}
@@ -208,6 +225,9 @@ class Trainer:
                 existing = self.optimizer.state.get(self._held[n], {})
                 out[n] = ({k: v.detach().clone() for k, v in existing.items()
                            if isinstance(v, torch.Tensor)} if existing else st)
+                held = {k: v for k, v in existing.items() if numbers.is_number(v)}
+                if held and self._book is not None:
+                    self._book.mirror[n] = held
         return out
 
     def _follow_requires_grad(self) -> None:
@@ -286,11 +306,51 @@ class Trainer:
             changed = {k for old, new in zip(self._floats, now) for k in new
                        if old.get(k) != new[k]}
             self._dynamic, self._floats = self._dynamic | changed, now
-        self.opt = fopt.describe(self.optimizer, self._dynamic)
+        self.opt = dict(fopt.describe(self.optimizer, self._dynamic), book=self._book)
         return self.opt["groups"], fopt.scalars(self.optimizer, self._dynamic)
+
+    def _numbers(self, hyper, lrs):
+        """For an update by a generic optimizer (numbers.py): the step's numbers as one
+        input, and the trace whose guards they pass in the program's key. Returns
+        (hyper, lrs, what ``_advance`` needs after the call)."""
+        if self._book is None:
+            return hyper, lrs, None
+        groups = self.optimizer.param_groups
+        spans = self._generic_groups()
+        sources = [(path, v) for path, v in numbers.group_sources(groups)
+                   if path[1] in spans]
+        names = [n for gi in spans for n in self._groups[gi]]
+        sources += numbers.state_sources(self._book.mirror, names)
+        layout = tuple(path for path, _ in sources)
+        values = [v for _, v in sources]
+        slot = self._book.select(layout, values)
+        self._book.pending = (layout, slot, sources)
+        lrs = [dict(d) for d in lrs]
+        lrs[0]["pw.numbers"] = torch.tensor(values, dtype=torch.float64)
+        for (gi, k), a in self._book.group_tensors.items():
+            lrs[gi][fopt.GROUP_TENSOR + k] = a
+        return (hyper, numbers.TraceKey(layout, slot)), lrs, (layout, slot, values)
+
+    def _generic_groups(self) -> List[int]:
+        """The indices of the param groups of generic optimizers (numbers.py)."""
+        spans, at = [], 0
+        for o in fopt.members(self.optimizer):
+            if fopt.generic(o):
+                spans.extend(range(at, at + len(o.param_groups)))
+            at += len(o.param_groups)
+        return spans
+
+    def _advance(self, pending) -> None:
+        if pending is not None:
+            layout, slot, values = pending
+            self._book.advance(layout, slot, values, self.optimizer.param_groups)
 
     def _store_created(self, r: int, created: Dict[str, Dict[str, Array]]) -> None:
         for n, st in created.items():
+            if n == GROUP_TENSORS:      # a generic optimizer's group tensors
+                self._book.group_tensors.update(
+                    {(int(k.split(":")[0]), k.split(":", 1)[1]): a for k, a in st.items()})
+                continue
             self.states[r][n].update(st)
 
     # ------------------------------------------------------------------ steps
@@ -330,10 +390,14 @@ class Trainer:
             key = "train_step" if k == 1 else ("accum_update" if last else "accumulate")
             prog = self._program(key, make_step_fn(self.model, self.loss_fn, self.opt,
                                                    self._groups, self.options, last=last))
+            pending = None
+            if last:
+                hyper, lrs, pending = self._numbers(hyper, lrs)
             loss, created = prog(self.replicas[0], self.fixed[0], self.states[0],
                                  self.acc[0], lrs, _place_batch(inputs, s, axis),
                                  _place_batch(targets, s, axis), hyper)
             self._store_created(0, created)
+            self._advance(pending)
             if not last:
                 return loss
             self.micro = 0
@@ -377,6 +441,9 @@ class Trainer:
                       for n, st in {**self._parked[0], **self.states[0]}.items()},
             "steps": torch.tensor(self.steps),
             "rng": self._rng_tensor(),
+            **({"numbers": copy.deepcopy(self._book.mirror),
+                "group_tensors": {gk: a.torch() for gk, a in
+                                  self._book.group_tensors.items()}} if self._book else {}),
         }
 
     def _rng_tensor(self) -> torch.Tensor:
@@ -407,6 +474,11 @@ class Trainer:
         self.steps = int(sd["steps"])
         if "rng" in sd:
             self._set_rng(sd["rng"])
+        if self._book is not None and "numbers" in sd:
+            self._book.mirror = copy.deepcopy(sd["numbers"])
+            first = self.slices[0]
+            self._book.group_tensors = {gk: put(t, first, P())
+                                        for gk, t in sd.get("group_tensors", {}).items()}
 
     def sync_to(self, model: Optional[torch.nn.Module] = None) -> torch.nn.Module:
         """Copy the trained parameters and buffers back into ``model`` (default: the
@@ -437,6 +509,10 @@ class Trainer:
             for n, st in sd["optim"].items():
                 torch_state = self.optimizer.state[named[n]]
                 torch_state.update({k: v.clone() for k, v in st.items()})
+            for n, held in sd.get("numbers", {}).items():
+                self.optimizer.state[named[n]].update(held)
+            for (gi, k), t in sd.get("group_tensors", {}).items():
+                self.optimizer.param_groups[gi][k] = t
         return model
 
     def save(self, path: str) -> None:
@@ -459,12 +535,18 @@ class Trainer:
         home = self._homes[0]
         first = next(iter(self.replicas[0]))
         arrays["steps"] = put(torch.tensor(self.steps), home(first), P())
+        for (gi, k), a in (self._book.group_tensors.items() if self._book else ()):
+            arrays[f"optim_group.{gi}.{k}"] = a
         arrays["rng"] = put(self._rng_tensor(), home(first), P())
         save_arrays(path, arrays)
         side = {"micro": self.micro,
                 "lrs": [float(g["lr"]) for g in self.optimizer.param_groups],
                 "scheduler": _jsonable(self.scheduler.state_dict())
                 if self.scheduler is not None else None}
+        if self._book is not None:      # a generic optimizer's numbers (numbers.py)
+            side["numbers"] = self._book.mirror
+            side["group_numbers"] = [{k: v for k, v in g.items() if numbers.is_number(v)}
+                                     for g in self.optimizer.param_groups]
         with open(os.path.join(path, "trainer.json"), "w") as f:
             json.dump(side, f)
 
@@ -472,11 +554,18 @@ class Trainer:
         """Read a checkpoint written by ``save`` (or by torch.distributed.checkpoint with
         the same keys); the executors read their parts from the files directly."""
         frozen = self._frozen()
-        saved = checkpoint_entries(path) if frozen else {}
+        saved = checkpoint_entries(path)
+
+        def optim_keys(n):
+            return {key[len(f"optim.{n}."):]: saved[key] for key in saved
+                    if key.startswith(f"optim.{n}.") and "." not in key[len(f"optim.{n}."):]}
         # a frozen parameter's optimizer state, if it had some when saved
-        parked = {n: {key[len(f"optim.{n}."):]: saved[key] for key in saved
-                      if key.startswith(f"optim.{n}.") and "." not in key[len(f"optim.{n}."):]}
-                  for n in frozen}
+        parked = {n: optim_keys(n) for n in frozen}
+        # state a step creates (SGD's momentum with dampening, a generic optimizer's
+        # whole state) is in the checkpoint but not yet in a fresh Trainer
+        extra = {n: {k: v for k, v in optim_keys(n).items() if k not in self.states[0][n]}
+                 for n in self.states[0]}
+        groups = {key: v for key, v in saved.items() if key.startswith("optim_group.")}
         side_path = os.path.join(path, "trainer.json")
         side = {}
         if os.path.exists(side_path):
@@ -494,13 +583,15 @@ class Trainer:
                                                 self._state_spec(n, a))
             for n, a in self.acc[r].items():
                 wanted[f"acc.{n}"] = (home_of(n), a.shape, a.dtype, self.param_specs[n])
-            for n, ks in parked.items():
+            for n, ks in {**parked, **extra}.items():
                 for k, (shape, dtype) in ks.items():
                     wanted[f"optim.{n}.{k}"] = (home_of(n), shape, dtype, self._state_spec(
                         n, torch.empty(shape, device="meta")))
             if r == 0:
                 first = next(iter(self.replicas[0]))
                 wanted["steps"] = (home_of(first), torch.Size([]), torch.int64, P())
+                for key, (shape, dtype) in groups.items():
+                    wanted[key] = (home_of(first), shape, dtype, P())
                 if side:
                     wanted["rng"] = (home_of(first), torch.Size([2]), torch.int64, P())
             got = load_arrays(path, wanted)
@@ -509,7 +600,7 @@ class Trainer:
             for n in self.fixed[r]:
                 self.fixed[r][n] = got[f"model.{n}"]
             for n, st in self.states[r].items():
-                for k in st:
+                for k in list(st) + list(extra.get(n, ())):
                     st[k] = got[f"optim.{n}.{k}"]
             for n in self.acc[r]:
                 self.acc[r][n] = got[f"acc.{n}"]
@@ -518,12 +609,20 @@ class Trainer:
                 if ks:
                     self._parked[r][n] = {k: got[f"optim.{n}.{k}"] for k in ks}
             if r == 0:
+                if groups:
+                    self._book.group_tensors = {
+                        (int(key.split(".")[1]), key.split(".", 2)[2]): got[key]
+                        for key in groups}
                 self.steps = int(got["steps"].torch())
                 if "rng" in got:
                     self._set_rng(got["rng"].torch())
         self.micro = int(side.get("micro", 0))
         for g, lr in zip(self.optimizer.param_groups, side.get("lrs", ())):
             g["lr"] = lr                      # what the scheduler had written
+        if self._book is not None and "numbers" in side:
+            self._book.mirror = side["numbers"]
+            for g, held in zip(self.optimizer.param_groups, side["group_numbers"]):
+                g.update(held)
         if self.scheduler is not None and side.get("scheduler") is not None:
             self.scheduler.load_state_dict(side["scheduler"])
 

@@ -1,0 +1,331 @@
+"""Optimizers from outside torch.optim, traced with their Python numbers, against torch.
+
+timm's and papers' optimizers (and the user's own) keep step counts as Python numbers,
+compute bias corrections with ``math.sqrt``, branch on their numbers, keep a step count
+as a 0-d tensor in a param group (timm's Lamb), or read a number as a plain value. Each
+optimizer here is written the way those are, and trained by ``pw.Trainer`` and by plain
+torch from the same seed and data: losses, parameters and the optimizer's state
+(numbers included, as torch keeps them) within 1e-5; the number of traces stays
+bounded, so a step count does not compile a program a step. (timm's own Lion, Lamb,
+Adan, MADGRAD, AdaBelief, NAdamW, LaProp, Adopt, Lars, MARS, SGDW and RMSpropTF were
+checked the same way by hand: docs/architecture.md, Decision 14.)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import pathways_torch as pw
+
+F = nn.functional
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def s2(cluster8):
+    s = pw.slice((2,), axis_names=("data",))
+    yield s
+    s.release()
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(),
+                         nn.Linear(16, 4))
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(n)]
+
+
+class HandAdam(torch.optim.Optimizer):
+    """Adam as a paper's repository writes it: a Python int step count in the state,
+    bias corrections with ``math.sqrt``, a branch on weight decay."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps,
+                                      weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                grad = p.grad
+                if group["weight_decay"] != 0:
+                    grad = grad.add(p, alpha=group["weight_decay"])
+                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                bias1 = 1 - beta1 ** state["step"]
+                bias2 = 1 - beta2 ** state["step"]
+                step_size = group["lr"] * math.sqrt(bias2) / bias1
+                denom = state["exp_avg_sq"].sqrt().add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+
+
+class GroupStepLion(torch.optim.Optimizer):
+    """Lion with a warm-up, its step count a 0-d tensor in the param group (timm's
+    Lamb keeps it so), replaced rather than updated in place every other step."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0, warmup=3):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay,
+                                      warmup=warmup))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if "step" not in group:
+                group["step"] = torch.tensor(0.0)
+            group["step"].add_(1)
+            scale = torch.clamp(group["step"] / group["warmup"], max=1.0)
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = state["exp_avg"].mul(beta1).add(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update * scale, alpha=-group["lr"])
+                state["exp_avg"] = state["exp_avg"].mul(beta2) + p.grad * (1 - beta2)
+
+
+class Branchy(torch.optim.Optimizer):
+    """SGD whose Python branches read its numbers: a warm-up phase (``if step <=
+    warmup``), ``min(lr, 1 / sqrt(step))`` and a rectification that turns on at a step
+    count, as RAdam-style optimizers do. Each outcome is traced once."""
+
+    def __init__(self, params, lr=0.5, warmup=2):
+        super().__init__(params, dict(lr=lr, warmup=warmup))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                step = state["step"]
+                if step <= group["warmup"]:
+                    lr = group["lr"] * step / group["warmup"]
+                else:
+                    lr = min(group["lr"], 1 / math.sqrt(step))
+                if step >= 4:
+                    lr = lr * 0.5
+                p.add_(p.grad, alpha=-lr)
+
+
+class FloatReader(torch.optim.Optimizer):
+    """SGD that reads its step count as a plain float (``float(step)``, which a trace
+    cannot follow): correct, but a program per step, which ``pw.RetraceWarning`` says."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                decay = torch.tensor(float(state["step"]))      # a value, not a number
+                p.add_(p.grad / decay, alpha=-group["lr"])
+
+
+def torch_train(model, opt, data, sched=None):
+    out = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        out.append(loss.item())
+    return out
+
+
+def assert_close_lists(got, want, tol=TOL):
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                               torch.tensor(want, dtype=torch.float64), rtol=tol, atol=tol,
+                               msg=lambda m: f"{got} vs torch {want}: {m}")
+
+
+def assert_same_params(model, ref):
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=TOL, atol=TOL,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def traces(tr) -> int:
+    return len(tr._programs["train_step"]._traces)
+
+
+def test_a_hand_written_adam_equals_torch_and_its_state_round_trips(s2):
+    steps = 5
+    data = batches(steps + 2)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    make = lambda ps: HandAdam(ps, lr=1e-2, weight_decay=1e-2)      # noqa: E731
+    opt = make(model.parameters())
+    tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2)
+    got = [float(tr.step(x, y)) for x, y in data[:steps]]
+    ref_opt = make(ref.parameters())
+    assert_close_lists(got, torch_train(ref, ref_opt, data[:steps]))
+    # the first step creates the state, the second traces with it; then none
+    assert traces(tr) == 2
+    tr.sync_to()
+    assert_same_params(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        st, want = opt.state[p], ref_opt.state[q]
+        assert st["step"] == want["step"] == steps and isinstance(st["step"], int)
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(st[k], want[k], rtol=TOL, atol=TOL)
+    # plain torch goes on from what sync_to wrote as the Trainer does
+    (x1, y1), (x2, y2) = data[steps:]
+    tr.step(x1, y1)
+    trainer_next = float(tr.step(x2, y2))
+    torch_train(model, opt, [(x1, y1)])
+    with torch.no_grad():
+        assert_close_lists([trainer_next], [F.cross_entropy(model(x2), y2).item()])
+    # the numbers matter: without the bias corrections the losses differ
+    plain = copy.deepcopy(mlp())
+    sgd = torch_train(plain, torch.optim.SGD(plain.parameters(), lr=1e-2), data[:steps])
+    assert max(abs(a - b) for a, b in zip(got, sgd)) > 1e-3
+
+
+def test_a_step_count_kept_as_a_group_tensor_and_a_checkpoint(s2, tmp_path):
+    """GroupStepLion's count lives in the param group as a 0-d tensor on the workers;
+    a checkpoint holds it and the state, and a fresh Trainer resumes from them (state
+    a step creates included)."""
+    steps = 4
+    data = batches(steps + 1)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    make = lambda ps: GroupStepLion(ps, lr=1e-2, weight_decay=0.1)    # noqa: E731
+    opt = make(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2, scheduler=sched)
+    got = [float(tr.step(x, y)) for x, y in data[:steps]]
+    ref_opt = make(ref.parameters())
+    want = torch_train(ref, ref_opt,
+                       data[:steps], torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.7))
+    assert_close_lists(got, want)
+    assert traces(tr) <= 2           # a learning rate per step is an input, not a key
+    tr.save(str(tmp_path / "ck"))
+    fresh = mlp(seed=5)
+    opt2 = make(fresh.parameters())
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.7)
+    tr2 = pw.Trainer(fresh, opt2, F.cross_entropy, slice=s2, scheduler=sched2)
+    tr2.load(str(tmp_path / "ck"))
+    x, y = data[steps]
+    resumed = float(tr2.step(x, y))
+    want_next = torch_train(ref, ref_opt, [(x, y)])
+    assert_close_lists([resumed], want_next)
+    tr2.sync_to()
+    assert float(opt2.param_groups[0]["step"]) == steps + 1
+    assert_same_params(fresh, ref)
+
+
+def test_python_branches_on_the_numbers_are_followed(s2):
+    steps = 6
+    data = batches(steps)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, Branchy(model.parameters()), F.cross_entropy, slice=s2)
+    got = [float(tr.step(x, y)) for x, y in data]
+    assert_close_lists(got, torch_train(ref, Branchy(ref.parameters()), data))
+    tr.sync_to()
+    assert_same_params(model, ref)
+    # steps 1-2 warm up, 3 takes min(lr, 1/sqrt(3)) = lr, 4 halves 1/sqrt(4), then
+    # the same branches: one trace per outcome, not one per step
+    assert traces(tr) <= 5
+
+
+def test_a_number_read_as_a_value_warns_that_each_step_compiles(s2):
+    data = batches(4)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, FloatReader(model.parameters()), F.cross_entropy, slice=s2)
+    with pytest.warns(pw.RetraceWarning, match=r"FloatReader|float\(\) at"):
+        got = [float(tr.step(x, y)) for x, y in data]
+    assert_close_lists(got, torch_train(ref, FloatReader(ref.parameters()), data))
+
+
+def test_an_optimizer_that_reads_tensor_values_is_refused_and_the_session_goes_on(s2):
+    class Projected(torch.optim.Optimizer):              # AdamP's projection test
+        def __init__(self, params, lr=0.1):
+            super().__init__(params, dict(lr=lr))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad.norm() > 1.0:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    model = mlp()
+    tr = pw.Trainer(model, Projected(model.parameters()), F.cross_entropy, slice=s2)
+    x, y = batches(1)[0]
+    with pytest.raises(pw.DataDependentError, match="if p.grad.norm"):
+        tr.step(x, y)
+    other = mlp()
+    ok = pw.Trainer(other, HandAdam(other.parameters()), F.cross_entropy, slice=s2)
+    assert math.isfinite(float(ok.step(x, y)))
+
+
+def test_pipeline_asks_for_a_torch_optimizer(cluster8):
+    slices = [pw.slice((1,)) for _ in range(2)]
+    try:
+        model = mlp()
+        with pytest.raises(pw.PathwaysError, match="HandAdam is traced with its Python "
+                           "numbers, which DataParallel"):
+            pw.Trainer(model, HandAdam(model.parameters()), F.cross_entropy,
+                       parallelism=pw.Pipeline(stages=2, microbatches=2, slices=slices))
+    finally:
+        for s in slices:
+            s.release()
+
+
+def test_a_generic_optimizer_beside_a_torch_one(s2):
+    """A list mixing both kinds: AdamW (torch.optim) on the biases, HandAdam on the
+    matrices."""
+    data = batches(3)
+
+    def make(m):
+        return [HandAdam([p for p in m.parameters() if p.ndim == 2], lr=1e-2),
+                torch.optim.AdamW([p for p in m.parameters() if p.ndim != 2], lr=1e-2)]
+    model = mlp()
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, make(model), F.cross_entropy, slice=s2)
+    got = [float(tr.step(x, y)) for x, y in data]
+    opts = make(ref)
+    want = []
+    for x, y in data:
+        for o in opts:
+            o.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        for o in opts:
+            o.step()
+        want.append(loss.item())
+    assert_close_lists(got, want)
+    tr.sync_to()
+    assert_same_params(model, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tr.step(*data[0])
