@@ -1184,12 +1184,31 @@ def spanning(rep: Report) -> None:
                 table(["what", "ratio", "spread"], rows) + "\n")
 
 
+def optimizers(rep: Report) -> None:
+    res = rep.get("optimizers.py")
+    if res is None:
+        return
+    r = res["generic_over_torch_optim"]
+    rep.add("## Optimizers from outside torch.optim\n",
+            "A hand-written Adam (a Python step count, `math.sqrt`), its numbers inputs of "
+            "the step (docs/architecture.md, Decision 7), against `torch.optim.Adam` on "
+            f"{res['params']} parameters ({source(res, 'optimizers.py')}); no bar.\n",
+            table(["what", "value"], [
+                ["time a step, generic over torch.optim (median of per-round ratios)",
+                 f"{ratio(r['median'])} ({ratio(r['lo'])}-{ratio(r['hi'])}, "
+                 f"{r['rounds']} rounds, {r['spread']})"],
+                ["the client's work on the numbers, a step",
+                 f"{num(res['numbers_client_us_per_step'])} µs"],
+                ["traces", f"{res['traces']['generic']} (torch.optim: "
+                           f"{res['traces']['torch.optim']})"]]) + "\n")
+
+
 def build(results: dict, img_dir=IMG) -> Report:
     """Every section of the report; ``img_dir=None`` writes no plots."""
     rep = Report(results)
     rep.img_dir = img_dir
     for section in (fig5, fig6, fig7, fig9, training, dcn, bulk, ray_section, runtime, soak,
-                    faults, scale, spanning, slurm):
+                    faults, scale, spanning, optimizers, slurm):
         section(rep)
     return rep
 

@@ -65,6 +65,9 @@ BENCHES = [
     # TCP (~1.5 min), and a training step on 2 hosts x 2 against 1 x 4 (~1 min).
     ("multihost.py", ["--rounds", "3"], ["--rounds", "1", "--steps", "5"]),
     ("spanning.py", ["--rounds", "5"], ["--rounds", "2", "--steps", "5"]),
+    # An optimizer from outside torch.optim (its Python numbers as inputs) against
+    # torch.optim's own path, per step (~1 min).
+    ("optimizers.py", ["--rounds", "7"], ["--rounds", "2", "--steps", "10"]),
 ]
 
 # Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.

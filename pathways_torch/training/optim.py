@@ -39,8 +39,8 @@ SUPPORTED = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Ada
 
 
 class UnsupportedOptimizer(PathwaysError, TypeError):
-    """pw.Trainer runs torch.optim's SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop,
-    Adagrad, Adadelta, ASGD, Rprop, Muon and Adafactor."""
+    """An optimizer pw.Trainer cannot run (LBFGS, SparseAdam), or one holding what a
+    compiled step cannot keep."""
 
 
 _WHY = {
@@ -48,11 +48,6 @@ _WHY = {
               "decides on the values (line search), where a step is one compiled program"),
     "SparseAdam": "it takes sparse gradients, and a step computes dense ones: use Adam",
 }
-_OTHER = ("an optimizer from outside torch.optim is not traced (such code often keeps "
-          "Python step counts or reads values with .item(), which a compiled step cannot "
-          "follow): use the torch.optim class it matches (AdamW, NAdam with "
-          "decoupled_weight_decay=True, RAdam, Adafactor, Muon), or a list of them "
-          "over disjoint parameters")
 
 
 #: float hyperparameters of the step that may become inputs (``Hyper``) once they
@@ -212,9 +207,9 @@ def _describe_groups(opt: torch.optim.Optimizer, dynamic: frozenset) -> List[tup
         return _describe_generic(opt)
     if cls.__module__.split(".")[:2] != ["torch", "optim"] or cls.__name__ not in SUPPORTED:
         raise UnsupportedOptimizer(
-            f"pw.Trainer runs torch.optim's {', '.join(SUPPORTED[:-1])} and "
-            f"{SUPPORTED[-1]}, not {cls.__module__}.{cls.__name__}: "
-            + _WHY.get(cls.__name__, _OTHER))
+            f"pw.Trainer cannot run {cls.__module__}.{cls.__name__}: "
+            f"{_WHY[cls.__name__]}. It runs torch.optim's {', '.join(SUPPORTED)}, and "
+            "optimizers from outside torch.optim (their own step, traced)")
     params = _constructor_args(cls)
     groups = []
     for g in opt.param_groups:
