@@ -146,6 +146,30 @@ class FloatReader(torch.optim.Optimizer):
                 p.add_(p.grad / decay, alpha=-group["lr"])
 
 
+class Flagged(torch.optim.Optimizer):
+    """Flags, names and None in its state and groups (constants of a trace, kept by
+    the client), and a tensor of state that starts as None."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            first = not group.get("started", False)
+            group["started"] = True
+            for p in group["params"]:
+                state = self.state[p]
+                if "prev" not in state:
+                    state["prev"], state["mode"] = None, "warm"
+                lr = group["lr"] * (0.1 if first else 1.0) * (
+                    0.5 if state["mode"] == "warm" else 1.0)
+                if state["prev"] is not None:
+                    p.add_(state["prev"], alpha=-0.1 * lr)
+                p.add_(p.grad, alpha=-lr)
+                state["prev"], state["mode"] = p.grad.clone(), "run"
+
+
 def torch_train(model, opt, data, sched=None):
     out = []
     for x, y in data:
@@ -254,6 +278,54 @@ def test_python_branches_on_the_numbers_are_followed(s2):
     # steps 1-2 warm up, 3 takes min(lr, 1/sqrt(3)) = lr, 4 halves 1/sqrt(4), then
     # the same branches: one trace per outcome, not one per step
     assert traces(tr) <= 5
+
+
+def test_flags_and_none_in_state_and_groups_and_sync_to(s2):
+    data = batches(4)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    opt = Flagged(model.parameters())
+    tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2)
+    got = [float(tr.step(x, y)) for x, y in data]
+    ref_opt = Flagged(ref.parameters())
+    assert_close_lists(got, torch_train(ref, ref_opt, data))
+    assert traces(tr) == 2
+    tr.sync_to()
+    assert opt.param_groups[0]["started"] is True
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert opt.state[p]["mode"] == "run"
+        torch.testing.assert_close(opt.state[p]["prev"], ref_opt.state[q]["prev"])
+
+
+def test_under_fsdp_with_accumulation_and_clipping(s2):
+    """The generic update is the same update of the same step: sharded state (FSDP),
+    accumulate=2 (one update per two calls), max_grad_norm."""
+    data = batches(6)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, HandAdam(model.parameters(), lr=1e-2), F.cross_entropy,
+                    slice=s2, parallelism=pw.FullyShardedDataParallel("data"),
+                    accumulate=2, max_grad_norm=0.05)
+    for x, y in data:
+        tr.step(x, y)
+    ref_opt = HandAdam(ref.parameters(), lr=1e-2)
+    for i in range(0, len(data), 2):
+        x = torch.cat([data[i][0], data[i + 1][0]])
+        y = torch.cat([data[i][1], data[i + 1][1]])
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+    tr.sync_to()
+    assert_same_params(model, ref)
+
+
+def test_step_hooks_are_refused(s2):
+    model = mlp()
+    opt = HandAdam(model.parameters())
+    opt.register_step_post_hook(lambda *a: None)
+    with pytest.raises(pw.PathwaysError, match="HandAdam has step hooks"):
+        pw.Trainer(model, opt, F.cross_entropy, slice=s2)
 
 
 def test_a_number_read_as_a_value_warns_that_each_step_compiles(s2):

@@ -353,6 +353,13 @@ def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def kept(v) -> bool:
+    """Whether a step may leave ``v`` in its state or groups for the client to keep: a
+    number (a source of the next step) or a constant of the trace (a flag, a name,
+    None), which the next step's key holds."""
+    return isinstance(v, Num) or is_number(v) or v is None or isinstance(v, (bool, str))
+
+
 def group_sources(groups: List[Dict]) -> List[Tuple[tuple, Any]]:
     """(path, value) of every number of ``groups`` (numbers in tuples included), by
     group index and key."""
@@ -371,8 +378,15 @@ def group_sources(groups: List[Dict]) -> List[Tuple[tuple, Any]]:
 
 def state_sources(mirror: Dict[str, Dict[str, Any]], names: List[str]
                   ) -> List[Tuple[tuple, Any]]:
+    """(path, value) of the numbers of the parameters' state the client keeps."""
     return [(("s", n, k, -1), mirror[n][k]) for n in names if n in mirror
-            for k in sorted(mirror[n])]
+            for k in sorted(mirror[n]) if is_number(mirror[n][k])]
+
+
+def state_constants(mirror: Dict[str, Dict[str, Any]], names: List[str]) -> tuple:
+    """The flags, names and Nones of that state: constants of a trace, so its key."""
+    return tuple(("c", n, k, mirror[n][k]) for n in names if n in mirror
+                 for k in sorted(mirror[n]) if not is_number(mirror[n][k]))
 
 
 def nums(sources: List[Tuple[tuple, Any]], vec: torch.Tensor) -> Dict[tuple, Num]:

@@ -370,6 +370,8 @@ def _generic_step(user: torch.optim.Optimizer, book, nums: Dict, first: int, par
     cls = type(user)
     opt = copy.copy(user)
     opt.param_groups, opt.state = [], collections.defaultdict(dict)
+    opt._optimizer_step_pre_hooks = collections.OrderedDict()   # refused at construction
+    opt._optimizer_step_post_hooks = collections.OrderedDict()
     given = {}
     for gi, (g, ps, ins) in enumerate(zip(user.param_groups, params, inputs), first):
         g2 = {}
@@ -388,7 +390,7 @@ def _generic_step(user: torch.optim.Optimizer, book, nums: Dict, first: int, par
     for ps, gs, sts, ns in zip(params, grads, states, names):
         for p, grad, st, n in zip(ps, gs, sts, ns):
             p.grad = grad
-            held = {k: nums[("s", n, k, -1)] for k in book.mirror.get(n, ())}
+            held = {k: nums.get(("s", n, k, -1), v) for k, v in book.mirror.get(n, {}).items()}
             if st or held:
                 opt.state[p] = {**st, **held}
     with torch.no_grad(), _TensorScalars(), numbers.traced_math(cls):
@@ -404,11 +406,14 @@ def _generic_step(user: torch.optim.Optimizer, book, nums: Dict, first: int, par
                         f"{cls.__name__} keeps {k}, a tensor of shape {list(v.shape)}, "
                         "in a param group: a compiled step keeps 0-d tensors there")
                 rec.group_tensors[(gi, k)] = v      # made or replaced by the step
-            elif numbers.is_number(v) or isinstance(v, numbers.Num):
+            elif numbers.kept(v):
                 rec.groups[(gi, k)] = numbers.output(v)
-            elif isinstance(v, tuple) and any(isinstance(x, numbers.Num) or
-                                              numbers.is_number(x) for x in v):
+            elif isinstance(v, tuple) and all(numbers.kept(x) for x in v):
                 rec.groups[(gi, k)] = tuple(numbers.output(x) for x in v)
+            else:
+                raise UnsupportedOptimizer(
+                    f"{cls.__name__}'s step sets {k} = {type(v).__name__} in a param "
+                    "group: a compiled step keeps numbers, flags, names and 0-d tensors")
     out = []
     for ps, ns in zip(params, names):
         part = []
@@ -417,12 +422,13 @@ def _generic_step(user: torch.optim.Optimizer, book, nums: Dict, first: int, par
             for k, v in opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     tensors[k] = v
-                elif numbers.is_number(v) or isinstance(v, numbers.Num):
+                elif numbers.kept(v):
                     rec.state[(n, k)] = numbers.output(v)
                 else:
                     raise UnsupportedOptimizer(
                         f"{cls.__name__} keeps state[{k!r}] = {type(v).__name__} for "
-                        f"parameter {n!r}: a compiled step keeps tensors and numbers")
+                        f"parameter {n!r}: a compiled step keeps tensors, numbers, "
+                        "flags, names and None")
             part.append(tensors)
         out.append(part)
     return out

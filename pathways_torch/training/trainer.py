@@ -113,6 +113,15 @@ class Trainer:
             raise PathwaysError("pw.Trainer needs slice= (or a Pipeline / MultiIsland "
                                 "parallelism that names its slices)")
         self.parallelism = parallelism
+        hooked = [type(o).__name__ for o in fopt.members(optimizer)
+                  if o._optimizer_step_pre_hooks or o._optimizer_step_post_hooks]
+        if hooked:
+            raise PathwaysError(
+                f"{', '.join(hooked)} has step hooks (register_step_pre_hook / "
+                "register_step_post_hook): the Trainer's update is part of a compiled "
+                "program, where they would run once, while it is traced. Remove them and "
+                "do that work between trainer.step calls (hooks on parameters, "
+                "p.register_hook, do run in the step)")
         if isinstance(parallelism, (Pipeline, MultiIsland)) and self._book is not None:
             raise PathwaysError(
                 f"{type(parallelism).__name__} runs torch.optim's optimizers; "
@@ -225,7 +234,8 @@ class Trainer:
                 existing = self.optimizer.state.get(self._held[n], {})
                 out[n] = ({k: v.detach().clone() for k, v in existing.items()
                            if isinstance(v, torch.Tensor)} if existing else st)
-                held = {k: v for k, v in existing.items() if numbers.is_number(v)}
+                held = {k: v for k, v in existing.items()
+                        if not isinstance(v, torch.Tensor) and numbers.kept(v)}
                 if held and self._book is not None:
                     self._book.mirror[n] = held
         return out
@@ -321,7 +331,8 @@ class Trainer:
                    if path[1] in spans]
         names = [n for gi in spans for n in self._groups[gi]]
         sources += numbers.state_sources(self._book.mirror, names)
-        layout = tuple(path for path, _ in sources)
+        layout = (tuple(path for path, _ in sources)
+                  + numbers.state_constants(self._book.mirror, names))
         values = [v for _, v in sources]
         slot = self._book.select(layout, values)
         self._book.pending = (layout, slot, sources)
