@@ -112,6 +112,7 @@ class Branchy(torch.optim.Optimizer):
 
     def __init__(self, params, lr=0.5, warmup=2):
         super().__init__(params, dict(lr=lr, warmup=warmup))
+        self.halve_from = 4                      # an attribute of the instance, not a group
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -124,7 +125,7 @@ class Branchy(torch.optim.Optimizer):
                     lr = group["lr"] * step / group["warmup"]
                 else:
                     lr = min(group["lr"], 1 / math.sqrt(step))
-                if step >= 4:
+                if step >= self.halve_from:
                     lr = lr * 0.5
                 p.add_(p.grad, alpha=-lr)
 
@@ -168,6 +169,35 @@ class Flagged(torch.optim.Optimizer):
                     p.add_(state["prev"], alpha=-0.1 * lr)
                 p.add_(p.grad, alpha=-lr)
                 state["prev"], state["mode"] = p.grad.clone(), "run"
+
+
+class ForeachAdam(torch.optim.Optimizer):
+    """Adam over whole lists with torch._foreach_* ops (timm's foreach=True paths):
+    each takes a number of the step where its overloads would read a tensor's value."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in ps]
+            states = [self.state[p] for p in ps]
+            for st, p in zip(states, ps):
+                if not st:
+                    st.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                st["step"] += 1
+            beta1, beta2 = group["betas"]
+            step = states[0]["step"]
+            ms, vs = [st["m"] for st in states], [st["v"] for st in states]
+            torch._foreach_lerp_(ms, grads, 1 - beta1)
+            torch._foreach_mul_(vs, beta2)
+            torch._foreach_addcmul_(vs, grads, grads, 1 - beta2)
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
+            torch._foreach_maximum_(denom, group["eps"])
+            torch._foreach_addcdiv_(ps, ms, denom, -group["lr"] / (1 - beta1 ** step))
 
 
 def torch_train(model, opt, data, sched=None):
@@ -318,6 +348,18 @@ def test_under_fsdp_with_accumulation_and_clipping(s2):
         ref_opt.step()
     tr.sync_to()
     assert_same_params(model, ref)
+
+
+def test_foreach_ops_given_numbers_equal_torch(s2):
+    data = batches(4)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, ForeachAdam(model.parameters()), F.cross_entropy, slice=s2)
+    got = [float(tr.step(x, y)) for x, y in data]
+    assert_close_lists(got, torch_train(ref, ForeachAdam(ref.parameters()), data))
+    tr.sync_to()
+    assert_same_params(model, ref)
+    assert traces(tr) == 2
 
 
 def test_step_hooks_are_refused(s2):

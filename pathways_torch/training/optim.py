@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import functools
 import inspect
 from typing import Dict, List, Tuple
@@ -109,6 +108,18 @@ class Chain:
     @property
     def state(self) -> "_ChainState":
         return _ChainState(self)
+
+    def state_dict(self) -> Dict:
+        """Each optimizer's ``state_dict()``, in order (after ``trainer.sync_to()``)."""
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, sd: Dict) -> None:
+        for o, one in zip(self.optimizers, sd["optimizers"]):
+            o.load_state_dict(one)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
 
     def __repr__(self) -> str:
         return f"Chain({', '.join(type(o).__name__ for o in self.optimizers)})"
@@ -368,7 +379,10 @@ def _generic_step(user: torch.optim.Optimizer, book, nums: Dict, first: int, par
     book's trace what the step left: numbers of state and groups (recomputed on the
     client after each step), the group tensors it made, and guards."""
     cls = type(user)
-    opt = copy.copy(user)
+    # a shallow copy of every attribute (copy.copy would go through Optimizer's
+    # __getstate__, which keeps only defaults, state and param_groups)
+    opt = object.__new__(cls)
+    opt.__dict__.update(user.__dict__)
     opt.param_groups, opt.state = [], collections.defaultdict(dict)
     opt._optimizer_step_pre_hooks = collections.OrderedDict()   # refused at construction
     opt._optimizer_step_post_hooks = collections.OrderedDict()
@@ -539,9 +553,12 @@ class _TensorScalars(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
         if any(isinstance(a, (Hyper, numbers.Num)) or (isinstance(a, (tuple, list)) and any(
                 isinstance(x, (Hyper, numbers.Num)) for x in a))
                for a in (*args, *kwargs.values())):
+            if name.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
+                return self._unrolled(name, args, kwargs)
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
             dtype = first.dtype if first is not None and first.is_floating_point() else None
             args, kwargs = _tensors(args, dtype), {k: _tensors(v, dtype)
@@ -550,12 +567,36 @@ class _TensorScalars(TorchFunctionMode):
             v = kwargs.get(key)
             if isinstance(v, torch.Tensor):
                 kwargs = {k: x for k, x in kwargs.items() if k != key}
-                name = getattr(func, "__name__", "")
                 if name in self._FOLD:
                     return func(args[0], args[1] * v, *args[2:], **kwargs)
-                raise UnsupportedOptimizer(f"torch.optim called {name} with a tensor "
+                if name.startswith("_foreach_") and name[9:] in self._FOLD:
+                    return func(args[0], torch._foreach_mul(args[1], v), *args[2:], **kwargs)
+                raise UnsupportedOptimizer(f"the optimizer called {name} with a tensor "
                                            f"{key}; pathways_torch cannot trace that")
         return func(*args, **kwargs)
+
+    def _unrolled(self, name: str, args, kwargs):
+        """A ``torch._foreach_*`` op given a traced number: its overloads would read
+        the number's value (a Scalar), so it runs as the per-tensor op it stands for
+        (``_foreach_lerp_(xs, ys, w)`` is ``x.lerp_(y, w)`` for each pair), each through
+        this mode."""
+        base = name[len("_foreach_"):]
+        n = len(args[0])
+        if base.rstrip("_") in ("addcmul", "addcdiv") and len(args) == 4:
+            args, kwargs = args[:3], {**kwargs, "value": args[3]}   # keyword-only per tensor
+
+        def at(a, i):
+            return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
+        op = getattr(torch.Tensor, base, None)
+        if op is None:                                  # _foreach_maximum_: no maximum_
+            pure = getattr(torch, base.rstrip("_"))
+
+            def op(x, *a, **k):
+                return x.copy_(pure(x, *a, **k))
+        out = [self.__torch_function__(op, (), tuple(at(a, i) for a in args),
+                                       {k: at(v, i) for k, v in kwargs.items()})
+               for i in range(n)]
+        return None if base.endswith("_") else out
 
 
 def scalars(opt: torch.optim.Optimizer, dynamic: frozenset = frozenset()
