@@ -216,15 +216,19 @@ def test_optimizer_equals_torch_and_state_round_trips(s2, strat, opt_name):
     assert tr.steps == steps
 
     # the state round-trips: plain torch's next step on the CPU, from what sync_to wrote,
-    # gives the same next loss as the Trainer's next step
+    # gives the same next loss as the Trainer's next step (on a copy: the Trainer's own
+    # module and optimizer show the Trainer's next steps when read)
+    cpu = copy.deepcopy(model)
+    cpu_opt = make_opt(cpu.parameters())
+    cpu_opt.load_state_dict(opt.state_dict())
     (x1, y1), (x2, y2) = data[steps:]
     tr.step(x1, y1)
     trainer_next = float(tr.step(x2, y2))
-    opt.zero_grad()
-    F.cross_entropy(model(x1), y1).backward()
-    opt.step()
+    cpu_opt.zero_grad()
+    F.cross_entropy(cpu(x1), y1).backward()
+    cpu_opt.step()
     with torch.no_grad():
-        torch_next = F.cross_entropy(model(x2), y2).item()
+        torch_next = F.cross_entropy(cpu(x2), y2).item()
     assert_losses([trainer_next], [torch_next])
     ref_next, _ = torch_train(ref, ref_opt, data[steps:])
     assert_losses([trainer_next], ref_next[1:])
@@ -398,6 +402,37 @@ def test_a_list_of_optimizers_equals_torch_to_float_precision(s2):
         for st, rst in zip(o.state.values(), ro.state.values()):
             for k in rst:
                 torch.testing.assert_close(st[k], rst[k], rtol=TOL, atol=TOL)
+
+
+def test_reading_the_module_or_the_optimizer_after_steps_gives_the_trained_values(s2):
+    """A torch loop's model holds the trained weights when the script reads it; here
+    they live on the workers. ``model.state_dict()`` (torch.save at the end of a run),
+    a CPU forward and ``optimizer.state_dict()`` sync first, without sync_to."""
+    data = batches(4)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2)
+    for x, y in data[:3]:
+        tr.step(x, y)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    torch_train(ref, ref_opt, data[:3])
+    saved = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(saved[k], v, rtol=TOL, atol=TOL)
+    x, y = data[3]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=TOL, atol=TOL)
+    # a step later, the optimizer's state_dict is read first: it syncs again
+    tr.step(x, y)
+    torch_train(ref, ref_opt, [(x, y)])
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    for i in want:
+        for k in want[i]:
+            torch.testing.assert_close(got[i][k], want[i][k], rtol=TOL, atol=TOL)
+    assert_same_model(model, ref)
+    # the Trainer's own traces do not sync (a program is traced with fake tensors)
+    assert tr._synced == tr._version == 4
 
 
 def test_reduce_lr_on_plateau_stepped_by_the_user_equals_torch(s2):

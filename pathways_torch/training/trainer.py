@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import sys
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -185,6 +186,9 @@ class Trainer:
         self._modules = list(self.model.modules())
         self._modes = _modes(self._modules)
         self.restarts: List[Restart] = []         # fit's elastic restarts
+        # the module and optimizer hold what the workers hold as of this update count
+        self._version = self._synced = 0
+        _sync_on_read(self)
 
     # ------------------------------------------------------------------ layout helpers
     def _place(self, slices) -> None:
@@ -413,6 +417,7 @@ class Trainer:
                 return loss
             self.micro = 0
         self.steps += 1
+        self._version += 1
         for opt in fopt.members(self.optimizer):
             opt._opt_called = True      # what optimizer.step() tells torch's schedulers
         if self.scheduler is not None:
@@ -467,6 +472,7 @@ class Trainer:
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Put a ``state_dict()`` back on the slices (layout as the strategy says)."""
+        self._version += 1
         for r, home_of in enumerate(self._homes):
             for n in self.replicas[r]:
                 self.replicas[r][n] = put(sd["model"][n], home_of(n), self.param_specs[n])
@@ -496,6 +502,7 @@ class Trainer:
         Trainer's own) and the optimizer state into the torch optimizer, so that
         plain torch can go on where the Trainer stopped."""
         model = self.model if model is None else _uncompiled(model)
+        version = self._version
         sd = self.state_dict()
         # matched by name as if nothing were torch.compile'd (a compiled block adds
         # "_orig_mod."), so a compiled model syncs to a plain copy and back
@@ -524,7 +531,14 @@ class Trainer:
                 self.optimizer.state[named[n]].update(held)
             for (gi, k), t in sd.get("group_tensors", {}).items():
                 self.optimizer.param_groups[gi][k] = t
+            self._synced = version
         return model
+
+    def _sync_if_stale(self) -> None:
+        """What a read of the module or the optimizer (``state_dict()``, a forward on
+        the CPU) sees: the trained values, as in a torch loop (see ``_sync_on_read``)."""
+        if self._synced != self._version and not torch.compiler.is_compiling():
+            self.sync_to()
 
     def save(self, path: str) -> None:
         """Write the state in the torch.distributed.checkpoint format (a directory).
@@ -564,6 +578,7 @@ class Trainer:
     def load(self, path: str) -> None:
         """Read a checkpoint written by ``save`` (or by torch.distributed.checkpoint with
         the same keys); the executors read their parts from the files directly."""
+        self._version += 1
         frozen = self._frozen()
         saved = checkpoint_entries(path)
 
@@ -745,6 +760,38 @@ def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, OptimizedModule):
         model = model._orig_mod
     return model
+
+
+def _sync_on_read(trainer: "Trainer") -> None:
+    """Keep torch's promise that the module and the optimizer hold the trained values
+    whenever the script reads them. In a torch loop ``optimizer.step()`` updates the
+    module in place; here the values live on the workers, so ``model.state_dict()``
+    (``torch.save`` at the end of training), a CPU forward (generation, a quick eval)
+    and ``optimizer.state_dict()`` would read the values from before training,
+    silently. Hooks on those reads sync first when a step happened since the last
+    sync (a fetch, only then). Reads of ``model.parameters()`` themselves cannot be
+    hooked: call ``trainer.sync_to()`` before them. The hooks hold the Trainer weakly
+    (it must not outlive its last reference: its worker buffers are freed then), and
+    are removed with it."""
+    ref = weakref.ref(trainer)
+
+    def sync(owner, *_args, **_kwargs):
+        t = ref()
+        # a deepcopy of the module (an EMA copy) carries the hooks: not its business
+        if t is not None and (owner is t.model or any(
+                owner is o for o in fopt.members(t.optimizer))):
+            t._sync_if_stale()
+
+    handles = [trainer.model.register_state_dict_pre_hook(sync),
+               trainer.model.register_forward_pre_hook(sync)]
+    handles += [o.register_state_dict_pre_hook(sync)
+                for o in fopt.members(trainer.optimizer)]
+    weakref.finalize(trainer, _remove, handles)
+
+
+def _remove(handles) -> None:
+    for h in handles:
+        h.remove()
 
 
 class _Schedulers:
