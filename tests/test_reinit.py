@@ -1,4 +1,7 @@
-"""A program defined once keeps working across pw.shutdown() and a new pw.init()."""
+"""A program defined once keeps working across pw.shutdown() and a new pw.init(); a
+Trainer's module holds its trained values after pw.shutdown()."""
+
+import copy
 
 import torch
 
@@ -18,3 +21,33 @@ def test_a_program_is_compiled_again_for_a_new_cluster():
             assert double(pw.put(torch.arange(4.), s)).torch().tolist() == [0, 2, 4, 6]
         finally:
             pw.shutdown()
+
+
+def test_shutdown_copies_the_trained_values_into_the_module():
+    """A script that trains, calls pw.shutdown() and then saves the model saves the
+    trained weights (the workers that held them are gone after shutdown)."""
+    pw.init(devices_per_host=2, timeout=120)
+    try:
+        s = pw.slice((2,), axis_names=("data",))
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
+                for _ in range(2)]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 4))
+        ref = copy.deepcopy(model)
+        tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                        torch.nn.functional.cross_entropy, slice=s)
+        for x, y in data:
+            tr.step(x, y)
+    finally:
+        pw.shutdown()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    saved = model.state_dict()          # after shutdown: no cluster to read from
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(saved[k], v, rtol=1e-5, atol=1e-5)
+    assert tr._closed

@@ -15,6 +15,8 @@ import math
 import os
 import threading
 import time
+import warnings
+import weakref
 from typing import List, Optional, Sequence, Union
 
 import grpc
@@ -429,11 +431,31 @@ def dispatch_mode(mode: str):
         state.dispatch = old
 
 
+#: run by ``shutdown()`` first, while the cluster still answers: weak references to
+#: bound methods (a Trainer copies its trained values back into its module)
+_BEFORE_SHUTDOWN: List["weakref.WeakMethod"] = []
+
+
+def before_shutdown(method) -> None:
+    """Have ``shutdown()`` call ``method()`` first (held weakly)."""
+    _BEFORE_SHUTDOWN.append(weakref.WeakMethod(method))
+
+
 def shutdown() -> None:
     """Release every slice and stop the processes that ``pw.init()`` started.
 
-    Arrays created before become unusable (they raise ``ClusterShutdownError``).
+    Arrays created before become unusable (they raise ``ClusterShutdownError``). A
+    ``pw.Trainer`` first copies its trained values into its module and optimizer, as
+    ``sync_to()`` does, so the script can save or use them afterwards.
     """
+    hooks, _BEFORE_SHUTDOWN[:] = list(_BEFORE_SHUTDOWN), []
+    for ref in hooks:
+        method = ref()
+        if method is not None and _state.initialized:
+            try:
+                method()
+            except Exception as e:          # the cluster is going away regardless
+                warnings.warn(f"before shutdown: {e}", RuntimeWarning, stacklevel=2)
     with _state.lock:
         if _state.initialized or _state.cluster is not None:
             _state.shutdown()

@@ -37,6 +37,7 @@ import torch
 from .._trees import plain_batch
 from ..client.array import Array, put
 from ..client.checkpoint import entries as checkpoint_entries, load_arrays, save_arrays
+from ..client import runtime
 from ..client.program import Program
 from ..client.rng import SeedStream
 from ..errors import PathwaysError
@@ -188,7 +189,9 @@ class Trainer:
         self.restarts: List[Restart] = []         # fit's elastic restarts
         # the module and optimizer hold what the workers hold as of this update count
         self._version = self._synced = 0
+        self._closed = False            # the cluster shut down: nothing left to read
         _sync_on_read(self)
+        runtime.before_shutdown(self._sync_before_shutdown)
 
     # ------------------------------------------------------------------ layout helpers
     def _place(self, slices) -> None:
@@ -537,8 +540,23 @@ class Trainer:
     def _sync_if_stale(self) -> None:
         """What a read of the module or the optimizer (``state_dict()``, a forward on
         the CPU) sees: the trained values, as in a torch loop (see ``_sync_on_read``)."""
-        if self._synced != self._version and not torch.compiler.is_compiling():
+        if self._synced != self._version and not self._closed \
+                and not torch.compiler.is_compiling():
             self.sync_to()
+
+    def _sync_before_shutdown(self) -> None:
+        """``pw.shutdown()`` ends the workers that hold the trained values: copy them
+        into the module first, so a script that saves after shutting down saves them."""
+        try:
+            if self._synced != self._version:
+                self.sync_to()
+        except Exception as e:
+            raise PathwaysError(
+                f"pw.Trainer could not copy its trained values into its module ({e}): "
+                "the module keeps the values of its last sync; call trainer.sync_to() "
+                "before pw.shutdown()") from e
+        finally:
+            self._closed = True
 
     def save(self, path: str) -> None:
         """Write the state in the torch.distributed.checkpoint format (a directory).
