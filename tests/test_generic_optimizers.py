@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 import pathways_torch as pw
+from trainer_helpers import TOL, assert_losses, assert_same_model, batches, mlp
 
 F = nn.functional
-TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +32,6 @@ def s2(cluster8):
     s = pw.slice((2,), axis_names=("data",))
     yield s
     s.release()
-
-
-def mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(),
-                         nn.Linear(16, 4))
-
-
-def batches(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
-            for _ in range(n)]
 
 
 class HandAdam(torch.optim.Optimizer):
@@ -201,28 +189,20 @@ class ForeachAdam(torch.optim.Optimizer):
 
 
 def torch_train(model, opt, data, sched=None):
+    """Plain torch's losses; ``opt`` (and ``sched``) may be a list, stepped together."""
+    opts = opt if isinstance(opt, list) else [opt]
     out = []
     for x, y in data:
-        opt.zero_grad()
+        for o in opts:
+            o.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        opt.step()
+        for o in opts:
+            o.step()
         if sched is not None:
             sched.step()
         out.append(loss.item())
     return out
-
-
-def assert_close_lists(got, want, tol=TOL):
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
-                               torch.tensor(want, dtype=torch.float64), rtol=tol, atol=tol,
-                               msg=lambda m: f"{got} vs torch {want}: {m}")
-
-
-def assert_same_params(model, ref):
-    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=TOL, atol=TOL,
-                                   msg=lambda m, n=n: f"{n}: {m}")
 
 
 def traces(tr) -> int:
@@ -239,11 +219,11 @@ def test_a_hand_written_adam_equals_torch_and_its_state_round_trips(s2):
     tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2)
     got = [float(tr.step(x, y)) for x, y in data[:steps]]
     ref_opt = make(ref.parameters())
-    assert_close_lists(got, torch_train(ref, ref_opt, data[:steps]))
+    assert_losses(got, torch_train(ref, ref_opt, data[:steps]))
     # the first step creates the state, the second traces with it; then none
     assert traces(tr) == 2
     tr.sync_to()
-    assert_same_params(model, ref)
+    assert_same_model(model, ref)
     for p, q in zip(model.parameters(), ref.parameters()):
         st, want = opt.state[p], ref_opt.state[q]
         assert st["step"] == want["step"] == steps and isinstance(st["step"], int)
@@ -259,7 +239,7 @@ def test_a_hand_written_adam_equals_torch_and_its_state_round_trips(s2):
     trainer_next = float(tr.step(x2, y2))
     torch_train(cpu, cpu_opt, [(x1, y1)])
     with torch.no_grad():
-        assert_close_lists([trainer_next], [F.cross_entropy(cpu(x2), y2).item()])
+        assert_losses([trainer_next], [F.cross_entropy(cpu(x2), y2).item()])
     # the numbers matter: without the bias corrections the losses differ
     plain = copy.deepcopy(mlp())
     sgd = torch_train(plain, torch.optim.SGD(plain.parameters(), lr=1e-2), data[:steps])
@@ -282,7 +262,7 @@ def test_a_step_count_kept_as_a_group_tensor_and_a_checkpoint(s2, tmp_path):
     ref_opt = make(ref.parameters())
     want = torch_train(ref, ref_opt,
                        data[:steps], torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.7))
-    assert_close_lists(got, want)
+    assert_losses(got, want)
     assert traces(tr) <= 2           # a learning rate per step is an input, not a key
     tr.save(str(tmp_path / "ck"))
     fresh = mlp(seed=5)
@@ -293,10 +273,10 @@ def test_a_step_count_kept_as_a_group_tensor_and_a_checkpoint(s2, tmp_path):
     x, y = data[steps]
     resumed = float(tr2.step(x, y))
     want_next = torch_train(ref, ref_opt, [(x, y)])
-    assert_close_lists([resumed], want_next)
+    assert_losses([resumed], want_next)
     tr2.sync_to()
     assert float(opt2.param_groups[0]["step"]) == steps + 1
-    assert_same_params(fresh, ref)
+    assert_same_model(fresh, ref)
 
 
 def test_python_branches_on_the_numbers_are_followed(s2):
@@ -306,9 +286,9 @@ def test_python_branches_on_the_numbers_are_followed(s2):
     ref = copy.deepcopy(model)
     tr = pw.Trainer(model, Branchy(model.parameters()), F.cross_entropy, slice=s2)
     got = [float(tr.step(x, y)) for x, y in data]
-    assert_close_lists(got, torch_train(ref, Branchy(ref.parameters()), data))
+    assert_losses(got, torch_train(ref, Branchy(ref.parameters()), data))
     tr.sync_to()
-    assert_same_params(model, ref)
+    assert_same_model(model, ref)
     # steps 1-2 warm up, 3 takes min(lr, 1/sqrt(3)) = lr, 4 halves 1/sqrt(4), then
     # the same branches: one trace per outcome, not one per step
     assert traces(tr) <= 5
@@ -322,7 +302,7 @@ def test_flags_and_none_in_state_and_groups_and_sync_to(s2):
     tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2)
     got = [float(tr.step(x, y)) for x, y in data]
     ref_opt = Flagged(ref.parameters())
-    assert_close_lists(got, torch_train(ref, ref_opt, data))
+    assert_losses(got, torch_train(ref, ref_opt, data))
     assert traces(tr) == 2
     tr.sync_to()
     assert opt.param_groups[0]["started"] is True
@@ -351,7 +331,7 @@ def test_under_fsdp_with_accumulation_and_clipping(s2):
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         ref_opt.step()
     tr.sync_to()
-    assert_same_params(model, ref)
+    assert_same_model(model, ref)
 
 
 def test_foreach_ops_given_numbers_equal_torch(s2):
@@ -360,9 +340,9 @@ def test_foreach_ops_given_numbers_equal_torch(s2):
     ref = copy.deepcopy(model)
     tr = pw.Trainer(model, ForeachAdam(model.parameters()), F.cross_entropy, slice=s2)
     got = [float(tr.step(x, y)) for x, y in data]
-    assert_close_lists(got, torch_train(ref, ForeachAdam(ref.parameters()), data))
+    assert_losses(got, torch_train(ref, ForeachAdam(ref.parameters()), data))
     tr.sync_to()
-    assert_same_params(model, ref)
+    assert_same_model(model, ref)
     assert traces(tr) == 2
 
 
@@ -381,7 +361,7 @@ def test_a_number_read_as_a_value_warns_that_each_step_compiles(s2):
     tr = pw.Trainer(model, FloatReader(model.parameters()), F.cross_entropy, slice=s2)
     with pytest.warns(pw.RetraceWarning, match=r"FloatReader|float\(\) at"):
         got = [float(tr.step(x, y)) for x, y in data]
-    assert_close_lists(got, torch_train(ref, FloatReader(ref.parameters()), data))
+    assert_losses(got, torch_train(ref, FloatReader(ref.parameters()), data))
 
 
 def test_an_optimizer_that_reads_tensor_values_is_refused_and_the_session_goes_on(s2):
@@ -431,19 +411,9 @@ def test_a_generic_optimizer_beside_a_torch_one(s2):
     ref = copy.deepcopy(model)
     tr = pw.Trainer(model, make(model), F.cross_entropy, slice=s2)
     got = [float(tr.step(x, y)) for x, y in data]
-    opts = make(ref)
-    want = []
-    for x, y in data:
-        for o in opts:
-            o.zero_grad()
-        loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        for o in opts:
-            o.step()
-        want.append(loss.item())
-    assert_close_lists(got, want)
+    assert_losses(got, torch_train(ref, make(ref), data))
     tr.sync_to()
-    assert_same_params(model, ref)
+    assert_same_model(model, ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tr.step(*data[0])

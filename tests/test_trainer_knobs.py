@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 import pathways_torch as pw
 from pathways_torch import P
+from trainer_helpers import assert_losses, assert_same_model, batches, mlp
 
 F = nn.functional
 TOL = 1e-5
@@ -47,18 +48,6 @@ def pipe_slices(cluster8):
     yield slices
     for s in slices:
         s.release()
-
-
-def mlp(seed=0, d_in=8, hidden=16, d_out=4):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
-                         nn.GELU(), nn.Linear(hidden, d_out))
-
-
-def batches(n, batch=8, d_in=8, classes=4, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, d_in, generator=g),
-             torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
 
 
 def strategy(name):
@@ -111,29 +100,9 @@ def dp_or_pipeline(strat, s2, pipe_slices) -> dict:
     return dict(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
 
 
-def assert_losses(got, want, rtol=TOL, atol=TOL):
-    assert len(got) == len(want)
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
-                               torch.tensor(want, dtype=torch.float64), rtol=rtol, atol=atol,
-                               msg=lambda m: f"losses {got} vs torch {want}: {m}")
-
-
 def assert_differ(a, b, by=1e-3):
     """Guards against tests that cannot fail: the knob changes the numbers."""
     assert max(abs(x - y) for x, y in zip(a, b)) > by, (a, b)
-
-
-def assert_same_model(trained, ref, atol=TOL, buffers=True):
-    for (n, a), (_, b) in zip(trained.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=TOL, atol=atol,
-                                       msg=lambda m, n=n: f"{n}: {m}")
-    if buffers:
-        for (n, a), (_, b) in zip(trained.named_buffers(), ref.named_buffers()):
-            if a.is_floating_point():
-                torch.testing.assert_close(a, b, rtol=TOL, atol=atol,
-                                       msg=lambda m, n=n: f"{n}: {m}")
-            else:
-                assert torch.equal(a, b), (n, a, b)
 
 
 def floats(losses):

@@ -438,6 +438,7 @@ _BEFORE_SHUTDOWN: List["weakref.WeakMethod"] = []
 
 def before_shutdown(method) -> None:
     """Have ``shutdown()`` call ``method()`` first (held weakly)."""
+    _BEFORE_SHUTDOWN[:] = [r for r in _BEFORE_SHUTDOWN if r() is not None]
     _BEFORE_SHUTDOWN.append(weakref.WeakMethod(method))
 
 

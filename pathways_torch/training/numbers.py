@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import traceback
@@ -121,12 +122,8 @@ def _binary(name: str, py: Callable, reflected: bool = False):
     return op
 
 
-def _pow(a, b):
-    return torch.pow(a, b)
-
-
 _TORCH = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "truediv": torch.div,
-          "pow": _pow, "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"),
+          "pow": torch.pow, "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"),
           "mod": torch.remainder}
 _PY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
        "truediv": lambda a, b: a / b, "pow": lambda a, b: a ** b,
@@ -291,26 +288,20 @@ class Book:
 _BOOK = Book()          # the book of the trace in progress (traces run one at a time)
 
 
+@contextlib.contextmanager
 def recording(book: Book, layout: tuple, slot: int):
-    """Record the trace of ``slot`` into ``book`` (a context manager)."""
-    class _Recording:
-        def __enter__(self):
-            global _BOOK
-            self.prev = _BOOK
-            _BOOK = book
-            book.recording = _Trace()
-            return book.recording
-
-        def __exit__(self, exc_type, *exc):
-            global _BOOK
-            if exc_type is None:
-                traces = book.traces.setdefault(layout, [])
-                while len(traces) <= slot:
-                    traces.append(None)
-                traces[slot] = book.recording
-            book.recording = None
-            _BOOK = self.prev
-    return _Recording()
+    """Record the trace of ``slot`` into ``book``; the record is kept only if the trace
+    completes."""
+    global _BOOK
+    prev, _BOOK = _BOOK, book
+    book.recording = rec = _Trace()
+    try:
+        yield rec
+        traces = book.traces.setdefault(layout, [])
+        traces.extend([None] * (slot + 1 - len(traces)))
+        traces[slot] = rec
+    finally:
+        book.recording, _BOOK = None, prev
 
 
 def _user_frame() -> str:

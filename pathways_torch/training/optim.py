@@ -266,11 +266,11 @@ def _numbers(kw: tuple) -> Dict:
 
 
 def _split(spec: Dict):
-    """(class, first group, end) of each optimizer the spec describes; a generic
-    one's class is None."""
+    """(class, first group, end, the optimizer) of each optimizer the spec describes;
+    a generic one's class is None."""
     at = 0
     for cls, n, opt in spec["members"]:
-        yield (None if generic(opt) else cls), at, at + n
+        yield (None if generic(opt) else cls), at, at + n, opt
         at += n
 
 
@@ -292,7 +292,7 @@ def initial_state(spec: Dict, group: int, params: List[torch.Tensor], lr: float
     SGD's momentum buffer is the exception torch makes: absent until the first step,
     which copies the gradient (a buffer of zeros gives the same numbers only without
     dampening, so it starts as zeros then and absent otherwise)."""
-    cls = next(c for c, lo, hi in _split(spec) if lo <= group < hi)
+    cls = next(c for c, lo, hi, _ in _split(spec) if lo <= group < hi)
     if cls is None:
         return [{} for _ in params]          # a generic step creates its state
     if cls.__name__ == "SGD":
@@ -333,12 +333,12 @@ def update(spec: Dict, params: List[List[torch.Tensor]], grads: List[List[torch.
     after, rec = [], None
     with contextlib.ExitStack() as stack:
         book = spec.get("book")
-        if book is not None and any(c is None for c, _, _ in _split(spec)):
+        if book is not None and any(c is None for c, *_ in _split(spec)):
             layout, slot, sources = book.pending
             rec = stack.enter_context(numbers.recording(book, layout, slot))
             vec = inputs[0]["pw.numbers"]
             nums = numbers.nums(sources, vec)
-        for (cls, lo, hi), (_, _, user) in zip(_split(spec), spec["members"]):
+        for cls, lo, hi, user in _split(spec):
             if cls is None:
                 after.extend(_generic_step(user, book, nums, lo, params[lo:hi],
                                            grads[lo:hi], states[lo:hi], names[lo:hi],
