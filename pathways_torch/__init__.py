@@ -30,6 +30,7 @@ from .errors import (CheckpointError, ClusterShutdownError, ColocatedError, Data
                      DataLoaderError, NotInitializedError,
                      OutOfMemoryError, PathwaysError, PlacementError, ProgramError,
                      ResourceExhaustedError, RetraceWarning, ShapeError, ShardingError,
+                     StaleModuleError,
                      TimeoutError, TraceError, WorkerLostError)
 from .sharding import P
 
@@ -63,7 +64,7 @@ __all__ = [
     "PathwaysError", "NotInitializedError", "ClusterShutdownError", "ResourceExhaustedError",
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",
     "ProgramError", "WorkerLostError", "TimeoutError", "OutOfMemoryError", "CheckpointError",
-    "DataLoaderError", "ColocatedError", "RetraceWarning",
+    "DataLoaderError", "ColocatedError", "RetraceWarning", "StaleModuleError",
 ]
 
 

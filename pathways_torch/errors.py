@@ -95,6 +95,12 @@ class CheckpointError(PathwaysError, OSError):
     """A checkpoint could not be written or read (the message says where and why)."""
 
 
+class StaleModuleError(PathwaysError, RuntimeError):
+    """The script changed a ``pw.Trainer``'s module in place while the module held the
+    values of before the last step (the trained ones live on the workers): call
+    ``trainer.sync_to()`` before changing it; the next step takes the changed values."""
+
+
 class DataLoaderError(ProgramError):
     """A ``pw.DataLoader``'s dataset, factory or collate function failed on a worker
     host; the message names the host, the sample index and the batch."""

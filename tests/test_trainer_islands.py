@@ -77,3 +77,39 @@ def test_multi_island_follows_requires_grad_between_steps(islands):
         assert r0.keys() == r1.keys()
         for n in r0:
             assert torch.equal(r0[n].torch(), r1[n].torch()), n
+
+
+def test_multi_island_takes_weights_loaded_and_a_group_added_after_building(islands):
+    """Pretrained weights loaded after the Trainer is built, and the last layer joining
+    the optimizer after two steps, reach both replicas (pathways' follow.py)."""
+    model, data = deep_model(3), make_data(5, batch=8, seed=10)
+    pretrained = deep_model(4).state_dict()
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(pretrained)
+
+    def opt_of(m):
+        return torch.optim.Adam([p for n, p in m.named_parameters()
+                                 if not n.startswith("6.")], lr=3e-3)
+
+    def add_head(m, o, i):
+        if i == 2:
+            o.add_param_group({"params": list(m[6].parameters())})
+
+    opt, want = opt_of(ref), []
+    for i, (x, y) in enumerate(data):
+        add_head(ref, opt, i)
+        opt.zero_grad()
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    tr = pw.Trainer(model, opt_of(model), loss_fn,
+                    parallelism=pw.MultiIsland(islands, axis="data"))
+    model.load_state_dict(pretrained)
+    got = []
+    for i, (x, y) in enumerate(data):
+        add_head(model, tr.optimizer, i)
+        got.append(float(tr.step(x, y)))
+    assert_losses_match(got, want)
+    for n in tr.replicas[0]:
+        assert torch.equal(tr.replicas[0][n].torch(), tr.replicas[1][n].torch()), n

@@ -87,11 +87,16 @@ class Chain:
 
     def __init__(self, optimizers) -> None:
         self.optimizers = list(optimizers)
-        owner: Dict[int, torch.optim.Optimizer] = {}
         for o in self.optimizers:
             if not isinstance(o, torch.optim.Optimizer):
                 raise UnsupportedOptimizer(f"a list of optimizers holds a "
                                            f"{type(o).__name__}, not a torch.optim.Optimizer")
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Know which optimizer holds each parameter (again, after ``add_param_group``)."""
+        owner: Dict[int, torch.optim.Optimizer] = {}
+        for o in self.optimizers:
             for g in o.param_groups:
                 for p in g["params"]:
                     if owner.setdefault(id(p), o) is not o:

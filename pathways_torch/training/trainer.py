@@ -44,9 +44,10 @@ from ..errors import PathwaysError
 from ..parallel.strategies import DataParallel, MultiIsland, Pipeline, mesh_sizes
 from ..sharding import P, validate_spec
 from . import elastic
-from . import numbers, optim as fopt
+from . import follow, numbers, optim as fopt
 from .batches import _place_batch
 from .elastic import Restart
+from .follow import _flags, modes as _modes
 from .islands import multi_island_step
 from .pipeline import _split_stages, pipeline_eval, pipeline_step
 from .programs import (GROUP_TENSORS, Options, make_eval_fn, make_predict_fn,
@@ -190,6 +191,8 @@ class Trainer:
         # the module and optimizer hold what the workers hold as of this update count
         self._version = self._synced = 0
         self._closed = False            # the cluster shut down: nothing left to read
+        # what the script does to the module and optimizer from now on (follow.py)
+        self._watch = follow.Watch(self.model, self.optimizer)
         _sync_on_read(self)
         runtime.before_shutdown(self._sync_before_shutdown)
 
@@ -246,54 +249,6 @@ class Trainer:
                 if held and self._book is not None:
                     self._book.mirror[n] = held
         return out
-
-    def _follow_requires_grad(self) -> None:
-        """Train what requires grad now, as torch's optimizer does at each step (a
-        frozen parameter has no gradient, so it skips it): a parameter frozen since the
-        last step keeps its value and its optimizer state, parked; one unfrozen takes
-        its parked state, or the state torch's first step would create."""
-        flags = _flags(self._held)
-        if flags == self._flags:
-            return
-        if [f[0] for f in flags] == [f[0] for f in self._flags]:
-            self._flags = flags         # only the gradient hooks changed: trace again
-            self._programs.clear()
-            return
-        now = [n for n, p in self._held.items() if p.requires_grad]
-        if self.micro:
-            raise PathwaysError(
-                f"requires_grad changed after {self.micro} of the {self.options.accumulate}"
-                " step calls of an accumulation; change it after the update (the "
-                f"{self.options.accumulate}-th call)")
-        if not now:
-            raise PathwaysError("no parameter of the optimizer requires grad any more: "
-                                "use trainer.evaluate / predict, or unfreeze one")
-        on = [n for n in now if n not in self._group_of]
-        off = [n for n in self._group_of if not self._held[n].requires_grad]
-        ids = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups)
-               for p in g["params"]}
-        self._group_of = {n: ids[id(self._held[n])] for n in now}
-        self._groups = [[n for n in now if self._group_of[n] == gi]
-                        for gi in range(len(self.optimizer.param_groups))]
-        first = self._initial_states([n for n in on if n not in self._parked[0]])
-        for r, home_of in enumerate(self._homes):
-            for n in off:
-                self.fixed[r][n] = self.replicas[r].pop(n)
-                self._parked[r][n] = self.states[r].pop(n)
-                self.acc[r].pop(n, None)
-            for n in on:
-                self.replicas[r][n] = self.fixed[r].pop(n)
-                st = self._parked[r].pop(n, None)
-                self.states[r][n] = st if st is not None else {
-                    k: put(t, home_of(n), self._state_spec(n, t)) for k, t in first[n].items()}
-                if self.options.accumulate > 1:
-                    p = self._held[n]
-                    self.acc[r][n] = put(torch.zeros(p.shape, dtype=p.dtype), home_of(n),
-                                         self.param_specs[n])
-            self.replicas[r] = {n: self.replicas[r][n] for n in now}
-            self.states[r] = {n: self.states[r][n] for n in now}
-        self._flags = flags
-        self._programs.clear()          # their update names the trained parameters
 
     def _frozen(self) -> List[str]:
         """The optimizer's parameters that this Trainer does not train now."""
@@ -389,7 +344,7 @@ class Trainer:
 
     def _step(self, inputs: Any, targets: Any) -> Any:
         inputs, targets = plain_batch(inputs), plain_batch(targets)
-        self._follow_requires_grad()
+        follow.follow(self)
         modes = _modes(self._modules)
         if modes != self._modes:        # a module's .train()/.eval() since the last step
             self._modes = modes
@@ -432,6 +387,7 @@ class Trainer:
         statistics, no gradients, no update), as a ``pw.Array`` at once (or loss_fn's
         whole result, as ``step`` returns it)."""
         inputs, targets = plain_batch(inputs), plain_batch(targets)
+        follow.follow(self)
         if isinstance(self.parallelism, Pipeline):
             return pipeline_eval(self, inputs, targets)
         s, axis = self.slices[0], getattr(self.parallelism, "batch_axis", None)
@@ -444,6 +400,7 @@ class Trainer:
         """The model's outputs on a batch in eval mode, as ``pw.Array``s in the
         model's output structure (a tensor, a tuple, a dict, a ModelOutput)."""
         inputs = plain_batch(inputs)
+        follow.follow(self)
         if isinstance(self.parallelism, Pipeline):
             return pipeline_eval(self, inputs, None, outputs=True)
         s, axis = self.slices[0], getattr(self.parallelism, "batch_axis", None)
@@ -453,6 +410,7 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
         """Parameters, buffers and optimizer state, fetched to the client as tensors."""
+        follow.follow(self)
         return {
             "model": {**{n: a.torch() for n, a in self.replicas[0].items()},
                       **{n: a.torch() for n, a in self.fixed[0].items()}},
@@ -475,6 +433,7 @@ class Trainer:
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Put a ``state_dict()`` back on the slices (layout as the strategy says)."""
+        follow.follow(self, discard_stale=True)     # the layout the script made
         self._version += 1
         for r, home_of in enumerate(self._homes):
             for n in self.replicas[r]:
@@ -494,6 +453,7 @@ class Trainer:
         self.steps = int(sd["steps"])
         if "rng" in sd:
             self._set_rng(sd["rng"])
+        self._watch.record()        # what the script did to the module before: replaced
         if self._book is not None and "numbers" in sd:
             self._book.mirror = copy.deepcopy(sd["numbers"])
             first = self.slices[0]
@@ -505,6 +465,9 @@ class Trainer:
         Trainer's own) and the optimizer state into the torch optimizer, so that
         plain torch can go on where the Trainer stopped."""
         model = self.model if model is None else _uncompiled(model)
+        # what the script changed since the last step goes to the workers first; a
+        # change of a stale module (StaleModuleError at a step) is overwritten here
+        follow.follow(self, discard_stale=model is self.model)
         version = self._version
         sd = self.state_dict()
         # matched by name as if nothing were torch.compile'd (a compiled block adds
@@ -535,6 +498,7 @@ class Trainer:
             for (gi, k), t in sd.get("group_tensors", {}).items():
                 self.optimizer.param_groups[gi][k] = t
             self._synced = version
+            self._watch.record()
         return model
 
     def _sync_if_stale(self) -> None:
@@ -542,6 +506,7 @@ class Trainer:
         the CPU) sees: the trained values, as in a torch loop (see ``_sync_on_read``)."""
         if self._synced != self._version and not self._closed \
                 and not torch.compiler.is_compiling():
+            follow.follow(self)     # a change of the stale module raises, not lost
             self.sync_to()
 
     def _sync_before_shutdown(self) -> None:
@@ -570,6 +535,7 @@ class Trainer:
                   "optim": {...}, "steps": torch.tensor(0)}
             torch.distributed.checkpoint.load(sd, checkpoint_id="ckpt")
         """
+        follow.follow(self)
         arrays = {f"model.{n}": a for n, a in {**self.replicas[0], **self.fixed[0]}.items()}
         for n, st in {**self._parked[0], **self.states[0]}.items():     # frozen ones too
             arrays.update({f"optim.{n}.{k}": a for k, a in st.items()})
@@ -596,6 +562,7 @@ class Trainer:
     def load(self, path: str) -> None:
         """Read a checkpoint written by ``save`` (or by torch.distributed.checkpoint with
         the same keys); the executors read their parts from the files directly."""
+        follow.follow(self, discard_stale=True)     # the layout the script made
         self._version += 1
         frozen = self._frozen()
         saved = checkpoint_entries(path)
@@ -669,6 +636,7 @@ class Trainer:
                 g.update(held)
         if self.scheduler is not None and side.get("scheduler") is not None:
             self.scheduler.load_state_dict(side["scheduler"])
+        self._watch.record()        # what the script did to the module before: replaced
 
     # ------------------------------------------------------------------ elastic training
     def fit(self, data: Any, *, steps: Optional[int] = None,
@@ -758,17 +726,6 @@ class Trainer:
                            resume=resume)
 
 
-def _flags(held: Dict[str, torch.Tensor]) -> tuple:
-    """What decides a step program besides shapes: which parameters require grad, and
-    the gradient hooks registered on them."""
-    return tuple((p.requires_grad, tuple(p._backward_hooks or ())) for p in held.values())
-
-
-def _modes(modules: List[torch.nn.Module]) -> tuple:
-    """Each module's train/eval flag: a training step traces the modes the user set."""
-    return tuple(m.training for m in modules)
-
-
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     """The module that ``torch.compile(model)`` wraps (the same parameters, named as
     in the model itself); XLA compiles the whole step, so the wrapper adds nothing."""
@@ -788,20 +745,39 @@ def _sync_on_read(trainer: "Trainer") -> None:
     and ``optimizer.state_dict()`` would read the values from before training,
     silently. Hooks on those reads sync first when a step happened since the last
     sync (a fetch, only then). Reads of ``model.parameters()`` themselves cannot be
-    hooked: call ``trainer.sync_to()`` before them. The hooks hold the Trainer weakly
+    hooked: call ``trainer.sync_to()`` before them. Writes are followed (follow.py);
+    ``model.load_state_dict`` tells the Trainer which tensors it replaces. The hooks hold the Trainer weakly
     (it must not outlive its last reference: its worker buffers are freed then), and
     are removed with it."""
     ref = weakref.ref(trainer)
 
-    def sync(owner, *_args, **_kwargs):
-        t = ref()
+    def mine(owner):
         # a deepcopy of the module (an EMA copy) carries the hooks: not its business
-        if t is not None and (owner is t.model or any(
-                owner is o for o in fopt.members(t.optimizer))):
+        t = ref()
+        return t if t is not None and (owner is t.model or any(
+            owner is o for o in fopt.members(t.optimizer))) else None
+
+    def sync(owner, *_args, **_kwargs):
+        t = mine(owner)
+        if t is not None:
             t._sync_if_stale()
 
+    def forward(owner, *_args, **_kwargs):
+        t = mine(owner)
+        if t is not None and not torch.compiler.is_compiling():
+            t._sync_if_stale()
+            # a forward in train mode updates BatchNorm's statistics, in place without
+            # torch's version counter: the next step takes the module's buffers
+            t._watch.buffers_touched |= owner.training
+
+    def load(owner, state_dict, prefix, *_args):
+        t = mine(owner)
+        if t is not None:
+            t._watch.on_load(state_dict, prefix)
+
     handles = [trainer.model.register_state_dict_pre_hook(sync),
-               trainer.model.register_forward_pre_hook(sync)]
+               trainer.model.register_forward_pre_hook(forward),
+               trainer.model.register_load_state_dict_pre_hook(load)]
     handles += [o.register_state_dict_pre_hook(sync)
                 for o in fopt.members(trainer.optimizer)]
     weakref.finalize(trainer, _remove, handles)

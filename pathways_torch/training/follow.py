@@ -1,0 +1,276 @@
+"""What a script does to a ``pw.Trainer``'s module and optimizer between steps.
+
+In a torch loop the module and the optimizer *are* the training state. A script that
+loads pretrained weights after building everything, restores its optimizer from a
+checkpoint, re-initialises a layer, swaps in a new head, adds a param group to unfreeze
+a backbone or clips a critic's weights between steps gets exactly that in its next step.
+Here the state lives on the workers, so before each step (and ``evaluate``, ``predict``,
+``state_dict``, ``save``, ``sync_to``) the Trainer looks at what changed since the module
+last agreed with the workers, and follows it:
+
+- **values**: a parameter or buffer written in place (``load_state_dict``,
+  ``nn.init``, ``with torch.no_grad(): p.clamp_(...)``, ``p.data = ...``) is put again;
+  torch's version counter and the storage pointer say which, for about 0.3 µs a tensor;
+- **structure**: a parameter, buffer or submodule assigned (a new head), a param group
+  added, ``requires_grad`` flipped, or the optimizer's state replaced
+  (``optimizer.load_state_dict``): the Trainer lays its workers out again, keeping the
+  arrays of everything unchanged (the new programs trace and compile once).
+
+After a step the module holds the trained parameters and buffers of before it until
+something syncs it (a read through ``state_dict()`` or a forward does,
+``model.parameters()`` cannot be hooked). One of them changed in place then was computed
+from old numbers: the next step raises ``StaleModuleError`` rather than train on them or
+drop the change. ``model.load_state_dict`` is exempt (it replaces what it loads, whatever
+was there), and so are parameters the Trainer does not train (a frozen encoder, or a
+GAN's discriminator inside the generator's Trainer, synced from its own Trainer).
+
+Not seen: in-place changes through ``p.data`` (``p.data.clamp_()`` bypasses torch's version
+counter; ``with torch.no_grad(): p.clamp_()`` is the form torch recommends), and
+``del module.attr``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+
+from ..client.array import put
+from ..errors import PathwaysError, StaleModuleError
+from ..parallel.strategies import Pipeline
+from . import optim as fopt
+
+
+# Trainers' watches, told by torch's global registration hooks when a module they
+# watch gets a parameter, buffer or submodule assigned
+_WATCHES: "weakref.WeakSet[Watch]" = weakref.WeakSet()
+_HOOKED = False
+
+
+def _assigned(module, name, value):
+    if torch.compiler.is_compiling():     # the Trainer's own tracing swaps tensors in
+        return None
+    for w in list(_WATCHES):
+        if id(module) in w.module_ids:
+            w.reshaped = True
+    return None
+
+
+def _hook_registrations() -> None:
+    global _HOOKED
+    if not _HOOKED:
+        from torch.nn.modules import module as m
+        m.register_module_parameter_registration_hook(_assigned)
+        m.register_module_buffer_registration_hook(_assigned)
+        m.register_module_module_registration_hook(_assigned)
+        _HOOKED = True
+
+
+def _tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _optimizer_layout(optimizer) -> tuple:
+    """Which state dicts and groups the optimizer has: ``load_state_dict`` replaces
+    them, ``add_param_group`` adds one, a group's params list can grow."""
+    return tuple((id(o.state), tuple((id(g), len(g["params"])) for g in o.param_groups))
+                 for o in fopt.members(optimizer))
+
+
+class Watch:
+    """The module's tensors and the optimizer's layout as of the last time the module
+    and the workers agreed (``record``), and what changed since."""
+
+    def __init__(self, model: torch.nn.Module, optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.reshaped = False            # something was assigned into the module
+        self.loaded: Set[str] = set()    # written by model.load_state_dict since record
+        self.buffers_touched = False     # a forward in train mode on the client
+        _hook_registrations()
+        _WATCHES.add(self)
+        self.record()
+
+    def record(self) -> None:
+        """The module and optimizer agree with the workers now."""
+        named = _tensors(self.model)
+        self.tensors: List[Tuple[str, torch.Tensor, int, int]] = [
+            (n, t, t._version, t.data_ptr()) for n, t in named.items()]
+        self.kinds = {n: (id(t), t.dtype, tuple(t.shape)) for n, t in named.items()}
+        self.buffers = {n for n, _ in self.model.named_buffers()}
+        self.module_ids = frozenset(id(m) for m in self.model.modules())
+        self.layout = _optimizer_layout(self.optimizer)
+        self.reshaped, self.buffers_touched = False, False
+        self.loaded = set()
+
+    def written(self) -> List[str]:
+        """Names of the tensors changed in place (or given new storage) since record."""
+        out = [n for n, t, v, p in self.tensors if t._version != v or t.data_ptr() != p]
+        if self.buffers_touched:
+            out += [n for n, _ in self.model.named_buffers() if n not in out]
+        return out
+
+    def structure_changed(self) -> bool:
+        """A tensor assigned into the module (new, replaced, another dtype or shape) or
+        the optimizer's groups or state replaced since record."""
+        if self.layout != _optimizer_layout(self.optimizer):
+            return True
+        if not self.reshaped:
+            return False
+        named = _tensors(self.model)
+        if {n: (id(t), t.dtype, tuple(t.shape)) for n, t in named.items()} != self.kinds:
+            return True
+        self.module_ids = frozenset(id(m) for m in self.model.modules())
+        self.reshaped = False            # assigned the same tensors again: nothing to do
+        return False
+
+    def on_load(self, state_dict, prefix: str) -> None:
+        """``model.load_state_dict(state_dict)`` is about to replace these tensors."""
+        self.loaded |= {k[len(prefix):] for k in state_dict if k.startswith(prefix)}
+
+
+def follow(tr, *, discard_stale: bool = False) -> None:
+    """Bring ``tr``'s workers up to what the script did to its module and optimizer.
+
+    With ``discard_stale`` (an explicit ``sync_to``, which overwrites the module),
+    values changed in place on a stale module are left for the fetch to overwrite
+    instead of raising."""
+    w = tr._watch
+    written = w.written()
+    reshaped = w.structure_changed()
+    flags = _flags(tr._held)
+    if not (written or reshaped or flags != tr._flags):
+        return
+    # after a step the trained parameters and the buffers (BatchNorm's statistics) are
+    # stale in the module; the rest (frozen parameters) the steps do not change
+    stale = (set(tr._group_of) | w.buffers) if tr._synced != tr._version else set()
+    bad = [n for n in written if n in stale and n not in w.loaded]
+    if bad and not discard_stale:
+        raise StaleModuleError(
+            f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} of the module "
+            f"changed in place after trainer.step, while the module held the values from "
+            "before that step (the trained values live on the workers, and reading "
+            "model.parameters() does not fetch them): the change was computed from old "
+            "numbers. Call trainer.sync_to() before changing the module (it copies the "
+            "trained values in); the next step then takes the module's values")
+    fresh = [n for n in written if n not in bad]
+    if reshaped or [f[0] for f in flags] != [f[0] for f in tr._flags]:
+        relayout(tr, fresh)
+    else:
+        if flags != tr._flags:     # only the gradient hooks changed: trace again
+            tr._flags = flags
+            tr._programs.clear()
+        push(tr, fresh)
+    w.record()                     # (``bad`` ones: the fetch that follows overwrites them)
+
+
+def push(tr, names: List[str]) -> None:
+    """Put the module's current values of ``names`` on every replica's slices."""
+    if not names:
+        return
+    named = _tensors(tr.model)
+    for r, home_of in enumerate(tr._homes):
+        for n in names:
+            where = tr.replicas[r] if n in tr.replicas[r] else tr.fixed[r]
+            where[n] = put(named[n].detach(), home_of(n), tr.param_specs[n])
+
+
+def relayout(tr, fresh: List[str]) -> None:
+    """Lay the workers out as the module and optimizer are now: train what is in the
+    optimizer and requires grad, hold the rest fixed. Arrays of tensors that are the
+    same objects as before and not in ``fresh`` stay where they are (moved between
+    trained and fixed as needed); new or replaced tensors and ``fresh`` ones are put
+    from the module. A parameter frozen keeps its optimizer state, parked; one
+    trained again takes it back, or the optimizer's state (a loaded one), or what
+    torch's first step would create."""
+    w = tr._watch
+    named = dict(tr.model.named_parameters())
+    tensors = _tensors(tr.model)
+    same = {n for n, t in tensors.items()
+            if w.kinds.get(n) == (id(t), t.dtype, tuple(t.shape)) and n not in fresh}
+    layout_changed = w.layout != _optimizer_layout(tr.optimizer)
+    replaced = [n for n, t in tensors.items() if w.kinds.get(n) != (id(t), t.dtype, tuple(t.shape))]
+    if isinstance(tr.parallelism, Pipeline) and (replaced or set(w.kinds) - set(tensors)):
+        raise PathwaysError(
+            "the model's parameters or buffers were replaced after pw.Trainer was built "
+            "with pw.Pipeline, whose stages were cut from the model as it was: build the "
+            "Trainer after changing the model")
+    ids = {id(p): gi for gi, g in enumerate(tr.optimizer.param_groups) for p in g["params"]}
+    held = {n: p for n, p in named.items() if id(p) in ids}
+    now = [n for n, p in held.items() if p.requires_grad]
+    if tr.micro:
+        raise PathwaysError(
+            f"the trained parameters changed (requires_grad, the optimizer's groups or the "
+            f"module's parameters) after {tr.micro} of the {tr.options.accumulate} step "
+            f"calls of an accumulation; change them after the update (the "
+            f"{tr.options.accumulate}-th call)")
+    if not now:
+        raise PathwaysError("no parameter of the optimizer requires grad any more: "
+                            "use trainer.evaluate / predict, or unfreeze one")
+    if isinstance(tr.optimizer, fopt.Chain):
+        tr.optimizer.refresh()
+    tr._held = held
+    tr._group_of = {n: ids[id(p)] for n, p in held.items() if p.requires_grad}
+    tr._groups = [[n for n in now if tr._group_of[n] == gi]
+                  for gi in range(len(tr.optimizer.param_groups))]
+    tr._shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    tr._floats = fopt.floats(tr.optimizer)
+    tr.opt = dict(fopt.describe(tr.optimizer, tr._dynamic), book=tr._book)
+    tr._place(tr.slices)
+    # the optimizer's state replaces the workers' where the script replaced it
+    keep_state = set() if layout_changed and _states_replaced(w, tr.optimizer) else same
+    if keep_state is not same:
+        tr.steps = next((int(st["step"]) for st in tr.optimizer.state.values()
+                         if "step" in st), tr.steps)
+        if tr._book is not None:
+            tr._book.mirror = {}
+    first = tr._initial_states([n for n in now if not (n in keep_state and (
+        n in tr.states[0] or n in tr._parked[0]))])
+    for r, home_of in enumerate(tr._homes):
+        arrays = {**tr.fixed[r], **tr.replicas[r]}
+        states = {**tr._parked[r], **tr.states[r]}
+
+        def value(n):
+            if n in same and n in arrays:
+                return arrays[n]
+            return put(tensors[n].detach(), home_of(n), tr.param_specs[n])
+
+        def state(n):
+            if n in keep_state and n in states:
+                return states[n]
+            return {k: put(t, home_of(n), tr._state_spec(n, t)) for k, t in first[n].items()}
+
+        tr.replicas[r] = {n: value(n) for n in now}
+        tr.fixed[r] = {n: value(n) for n in tensors if n not in tr._group_of}
+        tr.states[r] = {n: state(n) for n in now}
+        tr._parked[r] = {n: states[n] if n in keep_state else
+                         {k: put(t.detach().clone(), home_of(n), tr._state_spec(n, t))
+                          for k, t in tr.optimizer.state.get(held[n], {}).items()
+                          if isinstance(t, torch.Tensor)}
+                         for n in held if n not in tr._group_of and (
+                             n in states if n in keep_state else n in tr.optimizer.state)}
+        if tr.options.accumulate > 1:
+            tr.acc[r] = {n: tr.acc[r][n] if n in tr.acc[r] and n in same else
+                         put(torch.zeros(tensors[n].shape, dtype=tensors[n].dtype),
+                             home_of(n), tr.param_specs[n]) for n in now}
+    tr._flags = _flags(held)
+    tr._modules = list(tr.model.modules())
+    tr._modes = modes(tr._modules)
+    tr._programs.clear()          # their update names the trained parameters
+
+
+def _states_replaced(w: Watch, optimizer) -> bool:
+    """Whether an optimizer's state dict was replaced (``load_state_dict``), not only
+    its groups extended."""
+    return any(old[0] != new[0] for old, new in zip(w.layout, _optimizer_layout(optimizer)))
+
+
+def modes(modules: List[torch.nn.Module]) -> tuple:
+    """Each module's train/eval flag: a training step traces the modes the user set."""
+    return tuple(m.training for m in modules)
+
+
+def _flags(held: Dict[str, torch.Tensor]) -> tuple:
+    """What decides a step program besides shapes: which parameters require grad, and
+    the gradient hooks registered on them."""
+    return tuple((p.requires_grad, tuple(p._backward_hooks or ())) for p in held.values())

@@ -1,0 +1,274 @@
+"""What a script does to a pw.Trainer's module and optimizer between steps, against
+plain torch doing the same (same seed, same data).
+
+Loading pretrained weights or a torch checkpoint after building the Trainer, nn.init,
+rolling back to the best weights, clipping a critic's weights (after ``sync_to``),
+adding a param group, swapping in a new head, a forward in train mode on the client
+(BatchNorm's statistics): the next steps train on what torch would. A change computed
+from the stale module raises ``pw.StaleModuleError``. Losses and parameters within
+1e-5 (``trainer_helpers.TOL``); one module-scoped cluster (``cluster8``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pathways_torch as pw
+from trainer_helpers import assert_losses, assert_same_model, batches, mlp
+
+F = nn.functional
+
+
+@pytest.fixture(scope="module")
+def s2(cluster8):
+    s = pw.slice((2,), axis_names=("data",))
+    yield s
+    s.release()
+
+
+@pytest.fixture(scope="module")
+def pipe_slices(cluster8):
+    slices = [pw.slice((1,)) for _ in range(2)]
+    yield slices
+    for s in slices:
+        s.release()
+
+
+def torch_run(model, opt, data, between=None):
+    """Plain torch: one step per batch, ``between(i, model, opt)`` after step i."""
+    losses = []
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if between is not None:
+            between(i, model, opt)
+    return losses
+
+
+def pw_run(tr, data, between=None):
+    losses = []
+    for i, (x, y) in enumerate(data):
+        losses.append(float(tr.step(x, y)))
+        if between is not None:
+            between(i, tr.model, tr.optimizer)
+    return losses
+
+
+def trainer(model, opt, s, **kw):
+    return pw.Trainer(model, opt, F.cross_entropy, slice=s, **kw)
+
+
+def both(make_opt, before=None, between=None, n=4, model=mlp, s=None, **kw):
+    """The same model, optimizer and data trained by torch and by a Trainer built
+    before ``before(model, opt)`` runs; returns (torch model, trained module, losses)."""
+    data = batches(n)
+    ref, got = model(), model()
+    ref_opt, got_opt = make_opt(ref), make_opt(got)
+    if before is not None:
+        before(ref, ref_opt)
+    want = torch_run(ref, ref_opt, data, between)
+    tr = trainer(got, got_opt, s, **kw)
+    if before is not None:
+        before(got, got_opt)
+    losses = pw_run(tr, data, between)
+    assert_losses(losses, want)
+    tr.sync_to()
+    assert_same_model(got, ref)
+    return ref, got, tr
+
+
+def adam(m):
+    return torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def test_weights_loaded_after_building_the_trainer_are_trained(s2):
+    pretrained = mlp(seed=5).state_dict()
+    _, _, tr = both(adam, lambda m, o: m.load_state_dict(pretrained), s=s2)
+    assert len(tr._programs) == 1         # a value change puts tensors, no new trace
+
+
+def test_nn_init_after_building_the_trainer(s2):
+    def init(m, o):
+        torch.manual_seed(7)
+        for mod in m.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.zeros_(mod.bias)
+                nn.init.orthogonal_(mod.weight)
+    both(adam, init, s=s2, parallelism=pw.FullyShardedDataParallel("data"))
+
+
+def test_a_torch_checkpoint_restored_into_model_and_optimizer_after_building(s2):
+    """Resume: a run's model and optimizer state (Adam's moments and step) loaded
+    after pw.Trainer is built continue exactly as torch does."""
+    m0 = mlp()
+    o0 = adam(m0)
+    torch_run(m0, o0, batches(3, seed=9))
+    msd, osd = m0.state_dict(), o0.state_dict()
+
+    def resume(m, o):
+        m.load_state_dict(msd)
+        o.load_state_dict(copy.deepcopy(osd))    # torch's load aliases the tensors
+    _, got, tr = both(adam, resume, s=s2)
+    assert tr.steps == 3 + 4
+    assert int(tr.optimizer.state_dict()["state"][0]["step"]) == 7
+
+
+def test_rolling_back_to_the_best_weights_between_steps(s2):
+    best = {}
+
+    def between(i, m, o):
+        if i == 0:
+            best.update(copy.deepcopy(m.state_dict()))   # a read: the trained values
+        if i == 2:
+            m.load_state_dict(best)
+    both(adam, between=between, n=5, s=s2)
+
+
+def test_weight_clipping_after_sync_to_equals_torch(s2):
+    """WGAN's critic clipping: change the module after trainer.sync_to() (or in a
+    torch loop, after optimizer.step()); the next step takes the clipped values."""
+    holder = {}
+
+    def clip(i, m, o):
+        if "tr" in holder and m is holder["tr"].model:
+            holder["tr"].sync_to()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.clamp_(-0.05, 0.05)
+
+    data = batches(4)
+    ref, got = mlp(), mlp()
+    want = torch_run(ref, torch.optim.RMSprop(ref.parameters(), lr=5e-3), data, clip)
+    tr = holder["tr"] = trainer(got, torch.optim.RMSprop(got.parameters(), lr=5e-3), s2)
+    assert_losses(pw_run(tr, data, clip), want)
+    tr.sync_to()
+    assert_same_model(got, ref)
+
+
+def test_a_change_of_the_stale_module_raises_and_loses_nothing(s2):
+    data = batches(3)
+    model = mlp()
+    tr = trainer(model, adam(model), s2)
+    tr.step(*data[0])
+    trained = {n: a.torch() for n, a in tr.params.items()}
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)           # the values of before the step, halved
+    with pytest.raises(pw.StaleModuleError, match=r"0\.weight.*trainer\.sync_to\(\)"):
+        tr.step(*data[1])
+    with pytest.raises(pw.StaleModuleError):
+        model.state_dict()                  # a read would overwrite the change
+    for n, a in tr.params.items():          # the workers kept the trained values
+        torch.testing.assert_close(a.torch(), trained[n], rtol=0, atol=0)
+    tr.sync_to()                            # explicit: the trained values win
+    torch.testing.assert_close(model[0].weight.detach(), trained["0.weight"], rtol=0, atol=0)
+    tr.step(*data[1])
+
+
+def test_a_param_group_added_between_steps_is_trained_from_then_on(s2):
+    """Progressive unfreezing: the head joins the optimizer after two steps."""
+    def make_opt(m):
+        return torch.optim.AdamW(m[0].parameters(), lr=1e-2)
+
+    def between(i, m, o):
+        if i == 1:
+            o.add_param_group({"params": list(m[4].parameters()), "lr": 5e-3})
+    both(make_opt, between=between, n=5, s=s2)
+
+
+def test_a_new_head_swapped_in_after_building(s2):
+    def new_head(m, o):
+        torch.manual_seed(3)
+        m[4] = nn.Linear(16, 4)
+        o.add_param_group({"params": m[4].parameters()})
+    both(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), new_head, s=s2)
+
+
+def test_a_list_of_optimizers_with_a_group_added_to_one(s2):
+    def make_opts(m):
+        return [torch.optim.SGD(m[0].parameters(), lr=0.1),
+                torch.optim.Adam(m[2].parameters(), lr=1e-2)]
+
+    def between(i, m, o):
+        if i == 1:
+            o.optimizers[1].add_param_group({"params": list(m[4].parameters())})
+
+    data = batches(4)
+    ref, got = mlp(), mlp()
+    ref_opts, got_opts = make_opts(ref), make_opts(got)
+    want = []
+    for i, (x, y) in enumerate(data):
+        for o in ref_opts:
+            o.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        for o in ref_opts:
+            o.step()
+        want.append(loss.item())
+        if i == 1:
+            ref_opts[1].add_param_group({"params": list(ref[4].parameters())})
+    tr = trainer(got, got_opts, s2)
+    assert_losses(pw_run(tr, data, between), want)
+    tr.sync_to()
+    assert_same_model(got, ref)
+
+
+def bn_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_a_forward_in_train_mode_on_the_client_updates_batchnorm_as_in_torch(s2):
+    probe = torch.randn(16, 8, generator=torch.Generator().manual_seed(4)) * 3
+
+    def sanity_forward(m, o):
+        m(probe)                             # train mode: running statistics move
+    both(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), sanity_forward, model=bn_model,
+         s=s2)
+
+
+def test_evaluate_after_loading_weights_uses_them(s2):
+    x, y = batches(1)[0]
+    model, pretrained = mlp(), mlp(seed=5)
+    tr = trainer(model, adam(model), s2)
+    model.load_state_dict(pretrained.state_dict())
+    pretrained.eval()
+    torch.testing.assert_close(float(tr.evaluate(x, y)),
+                               F.cross_entropy(pretrained(x), y).item(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_trainer_checkpoint_loaded_after_a_module_change_wins(s2, tmp_path):
+    data = batches(3)
+    model = mlp()
+    tr = trainer(model, adam(model), s2)
+    tr.step(*data[0])
+    tr.save(str(tmp_path / "ckpt"))
+    saved = {n: a.torch() for n, a in tr.params.items()}
+    tr.sync_to()
+    with torch.no_grad():
+        model[0].weight.zero_()              # then the checkpoint is restored
+    tr.load(str(tmp_path / "ckpt"))
+    for n, a in tr.params.items():
+        torch.testing.assert_close(a.torch(), saved[n], rtol=0, atol=0)
+    tr.step(*data[1])                        # no StaleModuleError: the checkpoint won
+    tr.sync_to()
+    assert model[0].weight.abs().sum() > 0
+
+
+def test_pipeline_follows_values_and_refuses_a_new_layer(pipe_slices):
+    pretrained = mlp(seed=5).state_dict()
+    both(lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+         lambda m, o: m.load_state_dict(pretrained), s=None,
+         parallelism=pw.Pipeline(2, 2, pipe_slices))
+    model = mlp()
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                    parallelism=pw.Pipeline(2, 2, pipe_slices))
+    model[4] = nn.Linear(16, 4)
+    with pytest.raises(pw.PathwaysError, match="Pipeline.*build the Trainer after"):
+        tr.step(*batches(1)[0])
