@@ -32,7 +32,7 @@ counter; ``with torch.no_grad(): p.clamp_()`` is the form torch recommends), and
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 
