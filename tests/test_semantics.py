@@ -128,6 +128,26 @@ def test_same_seed_same_numbers(s4):
     assert not torch.equal(a[0], c)
 
 
+def test_torch_manual_seed_after_init_seeds_program_calls(s4):
+    """Without pw.init(seed=) or pw.manual_seed, the calls' stream follows torch's
+    seed, set before or after pw.init, as torch's generator would."""
+    from pathways_torch.client import runtime
+    state = runtime.get_state()
+    saved, state.seeds = state.seeds, None          # as after pw.init() without seed=
+    try:
+        x = pw.put(torch.zeros(16, 8), s4, P("data"))
+        torch.manual_seed(5)
+        a = [noisy(x).torch() for _ in range(2)]
+        torch.manual_seed(5)
+        b = [noisy(x).torch() for _ in range(2)]
+        torch.manual_seed(6)
+        c = noisy(x).torch()
+    finally:
+        state.seeds = saved
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], c)
+
+
 def test_a_sharded_draw_is_the_unsharded_draw(s4):
     """Each shard holds its own part of one draw: not the same numbers on every shard."""
     @pw.program(out_specs=P("data"))

@@ -272,3 +272,22 @@ def test_pipeline_follows_values_and_refuses_a_new_layer(pipe_slices):
     model[4] = nn.Linear(16, 4)
     with pytest.raises(pw.PathwaysError, match="Pipeline.*build the Trainer after"):
         tr.step(*batches(1)[0])
+
+
+def test_torch_manual_seed_after_building_the_trainer_sets_its_dropout(s2):
+    """The same torch.manual_seed after pw.Trainer(...) (no seed=) gives the same
+    masks whatever the seed was when the Trainer was built, as in a torch loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4))
+    x, y = batches(1)[0]
+
+    def run(seed, seeded_before):
+        torch.manual_seed(seeded_before)
+        m = copy.deepcopy(model)
+        tr = trainer(m, torch.optim.SGD(m.parameters(), lr=0.0), s2)
+        torch.manual_seed(seed)
+        return [float(tr.step(x, y)) for _ in range(3)]
+
+    a, b, c = run(1, seeded_before=10), run(1, seeded_before=20), run(2, seeded_before=10)
+    assert a == b                                    # bit-identical
+    assert a != c and len(set(a)) == 3               # another seed; a mask per step

@@ -30,7 +30,7 @@ from ..rpc import pathways_pb2_grpc as pbg
 from .cluster import ADDRESS_ENV, LocalCluster
 from ..worker.memory import parse_bytes
 from .connection import ExecutorConnection
-from .rng import SeedStream
+from .rng import SeedStream, drawn_from_torch
 
 
 
@@ -158,7 +158,7 @@ class _State:
         self._heard = 0.0
         self._beats_stop = threading.Event()
         self.coordinator_lost = ""
-        self.seeds = None               # the session's SeedStream (pw.init(seed=))
+        self.seeds = None               # pw.init(seed=) / pw.manual_seed's SeedStream
 
     @property
     def initialized(self) -> bool:
@@ -360,10 +360,11 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
     ``timeout`` is the default deadline of every blocking call (``Array.torch``,
     ``pw.wait``, ...); each also takes its own ``timeout=``.
 
-    ``seed`` (default ``torch.initial_seed()``, so ``torch.manual_seed`` before
-    ``pw.init`` sets it) starts the stream of RNG seeds of programs that draw random
-    numbers: each call draws new values, and the same seed gives the same values run
-    after run.
+    ``seed`` starts the stream of RNG seeds of programs that draw random numbers:
+    each call draws new values, and the same seed gives the same values run after
+    run. Without it (nor ``pw.manual_seed``) each call's seed is drawn from torch's
+    generator, as torch's own random ops draw from it: ``torch.manual_seed``, before or
+    after ``pw.init``, sets the calls' numbers as it sets torch's.
 
     Example::
 
@@ -383,7 +384,7 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
                           name or f"pid{os.getpid()}", share, devices_shared_by,
                           parse_bytes(memory_budget) if memory_budget else None)
         _state.dispatch = dispatch
-        _state.seeds = SeedStream(torch.initial_seed() if seed is None else seed)
+        _state.seeds = None if seed is None else SeedStream(seed)
 
 
 def manual_seed(seed: int) -> None:
@@ -403,8 +404,8 @@ def manual_seed(seed: int) -> None:
 def next_seed() -> int:
     """The next RNG seed of the session (for a program call that draws random numbers)."""
     state = get_state()
-    if state.seeds is None:
-        state.seeds = SeedStream(torch.initial_seed())
+    if state.seeds is None:         # no pw.init(seed=) nor pw.manual_seed: torch's
+        return drawn_from_torch()
     return state.seeds()
 
 

@@ -74,9 +74,10 @@ class Trainer:
     ``torch.optim.lr_scheduler`` of ``optimizer``) is stepped after every update and
     saved in checkpoints; ReduceLROnPlateau, which needs a metric, is stepped by the
     user (each step reads the learning rate and hyperparameters the optimizer holds).
-    ``seed`` (default ``torch.initial_seed()``) starts the stream of RNG seeds of the
-    steps: dropout draws new masks every step, the same seed gives the same run, and
-    checkpoints hold the stream's position.
+    ``seed`` starts the stream of RNG seeds of the steps (default: follow torch's, so
+    ``torch.manual_seed`` before or after building the Trainer sets it, as it sets a
+    torch loop's masks): dropout draws new masks every step, the same seed gives the
+    same run, and checkpoints hold the stream's position.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any,
@@ -183,7 +184,7 @@ class Trainer:
                         self._book.group_tensors[(gi, k)] = put(v.detach().clone(),
                                                                 self.slices[0], P())
         self.micro = 0                                # micro-steps since the last update
-        self.seeds = SeedStream(torch.initial_seed() if seed is None else seed)
+        self.seeds = SeedStream.of_torch() if seed is None else SeedStream(seed)
         self._programs: Dict[str, Program] = {}
         self._modules = list(self.model.modules())
         self._modes = _modes(self._modules)
@@ -429,7 +430,7 @@ class Trainer:
 
     def _set_rng(self, t: torch.Tensor) -> None:
         base, position = (int(v) for v in t.tolist())
-        self.seeds.base, self.seeds.position = base & ((1 << 64) - 1), position
+        self.seeds.restore(base, position)
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Put a ``state_dict()`` back on the slices (layout as the strategy says)."""
