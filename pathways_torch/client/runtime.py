@@ -20,7 +20,6 @@ import weakref
 from typing import List, Optional, Sequence, Union
 
 import grpc
-import torch
 
 from ..errors import (ClusterShutdownError, NotInitializedError, PathwaysError,
                       ResourceExhaustedError, ShardingError, WorkerLostError)
