@@ -98,8 +98,16 @@ def test_the_gang_order_keeps_two_clients_on_shared_hosts_from_deadlocking():
 
 def test_without_the_order_the_same_load_deadlocks():
     # Ordered, each client's 1,000 programs take ~12 s here, so 100 take ~1.2 s;
-    # unordered, both clients stopped at their first program.
-    finished, lines = _run_pair(ordered=False, limit=12, programs=100)
-    assert not all(finished), (
-        "2 x 100 programs finished in 12 s without the gang order (ordered, 10 times "
-        f"as many take about as long): the test load does not show the hazard: {lines}")
+    # unordered, both clients almost always stop at their first program. The hazard is
+    # a race (the two hosts must take the clients' programs in opposite orders), and a
+    # clean-clone CI run once got through all 100: up to three runs, one must deadlock.
+    runs = []
+    for _ in range(3):
+        finished, lines = _run_pair(ordered=False, limit=12, programs=100)
+        runs.append(lines)
+        if not all(finished):
+            return
+    raise AssertionError(
+        "2 x 100 programs finished in 12 s without the gang order, three times "
+        f"(ordered, 10 times as many take about as long): the test load does not show "
+        f"the hazard: {runs}")

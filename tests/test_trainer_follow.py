@@ -12,6 +12,7 @@ from the stale module raises ``pw.StaleModuleError``. Losses and parameters with
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -291,3 +292,63 @@ def test_torch_manual_seed_after_building_the_trainer_sets_its_dropout(s2):
     a, b, c = run(1, seeded_before=10), run(1, seeded_before=20), run(2, seeded_before=10)
     assert a == b                                    # bit-identical
     assert a != c and len(set(a)) == 3               # another seed; a mask per step
+
+
+class Fade(nn.Module):
+    """ProGAN's fade-in: a Python float attribute mixes two paths, set between steps;
+    ``cfg.scale`` is a number on a plain object the module holds (a config)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.old, self.new = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.alpha = 0.0
+        self.cfg = types.SimpleNamespace(scale=1.0)
+
+    def forward(self, x):
+        return self.cfg.scale * (self.alpha * self.new(x) + (1 - self.alpha) * self.old(x))
+
+
+def test_a_python_attribute_changed_between_steps_is_traced_again(s2):
+    def between(i, m, o):
+        m.alpha = min(1.0, (i + 1) / 4)
+        if i == 2:
+            m.cfg.scale = 0.5
+    with pytest.warns(pw.RetraceWarning, match=r"model\.alpha changed.*register_buffer"):
+        both(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), between=between, n=5,
+             model=Fade, s=s2)
+
+
+class Tempered(nn.Module):
+    """The same kind of value kept in a buffer, updated in place: an input of the step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("tau", torch.tensor(1.0))
+
+    def forward(self, x):
+        return self.lin(x) / self.tau
+
+
+def test_a_buffer_updated_in_place_between_steps_needs_no_trace(s2):
+    def between(i, m, o):
+        m.tau.fill_(1.0 + 0.5 * (i + 1))     # no sync needed: no step writes tau
+    _, _, tr = both(lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), between=between,
+                    n=5, model=Tempered, s=s2)
+    assert sum(len(p._traces) for p in tr._programs.values()) == 1
+
+
+def test_a_dropout_rate_set_to_zero_between_steps(s2):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4))
+    x, y = batches(1)[0]
+    tr = trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), s2)
+    first = float(tr.step(x, y))
+    model[2].p = 0.0
+    with torch.no_grad():
+        want = F.cross_entropy(model.eval()(x), y).item()
+    model.train()
+    assert first != pytest.approx(want, abs=1e-6)     # the mask was on
+    assert float(tr.step(x, y)) == pytest.approx(want, rel=1e-5, abs=1e-5)

@@ -14,15 +14,19 @@ last agreed with the workers, and follows it:
 - **structure**: a parameter, buffer or submodule assigned (a new head), a param group
   added, ``requires_grad`` flipped, or the optimizer's state replaced
   (``optimizer.load_state_dict``): the Trainer lays its workers out again, keeping the
-  arrays of everything unchanged (the new programs trace and compile once).
+  arrays of everything unchanged (the new programs trace and compile once);
+- **attributes**: a module's Python numbers, flags and strings (ProGAN's fade-in
+  ``alpha``, a dropout rate schedule, a config's field), which a trace keeps as
+  constants: a change traces again (``Attributes``).
 
-After a step the module holds the trained parameters and buffers of before it until
-something syncs it (a read through ``state_dict()`` or a forward does,
-``model.parameters()`` cannot be hooked). One of them changed in place then was computed
-from old numbers: the next step raises ``StaleModuleError`` rather than train on them or
-drop the change. ``model.load_state_dict`` is exempt (it replaces what it loads, whatever
-was there), and so are parameters the Trainer does not train (a frozen encoder, or a
-GAN's discriminator inside the generator's Trainer, synced from its own Trainer).
+After a step the module holds, of what that step updated (trained parameters,
+BatchNorm's statistics), the values of before it until something syncs it (a read
+through ``state_dict()`` or a forward does; ``model.parameters()`` cannot be hooked).
+One of those changed in place then was computed from old numbers: the next step raises
+``StaleModuleError`` rather than train on them or drop the change. ``model.load_state_dict``
+is exempt (it replaces what it loads, whatever was there), and so is what no step
+writes (a frozen encoder, a GAN's discriminator inside the generator's Trainer synced
+from its own Trainer, a temperature buffer): the workers' buffer ids say which.
 
 Not seen: in-place changes through ``p.data`` (``p.data.clamp_()`` bypasses torch's version
 counter; ``with torch.no_grad(): p.clamp_()`` is the form torch recommends), and
@@ -31,13 +35,16 @@ counter; ``with torch.no_grad(): p.clamp_()`` is the form torch recommends), and
 
 from __future__ import annotations
 
+import functools
+import types
+import warnings
 import weakref
 from typing import Dict, List, Set, Tuple
 
 import torch
 
 from ..client.array import put
-from ..errors import PathwaysError, StaleModuleError
+from ..errors import PathwaysError, RetraceWarning, StaleModuleError
 from ..parallel.strategies import Pipeline
 from . import optim as fopt
 
@@ -67,6 +74,102 @@ def _hook_registrations() -> None:
         _HOOKED = True
 
 
+_MISSING = object()
+_INTERNAL: frozenset = frozenset()     # nn.Module's own attributes (filled at first use)
+_SKIP = (torch.nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType,
+         types.BuiltinFunctionType, types.ModuleType, functools.partial)
+
+
+def _plain(v) -> bool:
+    """A value a forward may branch on or compute with, kept as a constant by a trace."""
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype)):
+        return True
+    return isinstance(v, (tuple, list)) and len(v) <= 16 and all(
+        x is None or isinstance(x, (bool, int, float, str)) for x in v)
+
+
+class Attributes:
+    """The Python attributes of the model's modules (numbers, flags, strings, short
+    tuples), and of plain objects they hold (a Hugging Face config), which a traced step
+    keeps as constants: ProGAN's fade-in ``alpha``, an annealed temperature, a dropout
+    or drop-path rate schedule (``m.p = ...``). A change between steps traces the
+    programs again (``RetraceWarning`` once one attribute has taken ``WARN_AT`` values:
+    keep such a value in a buffer, updated in place, which a step takes as an input)."""
+
+    WARN_AT = 3
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        global _INTERNAL
+        if not _INTERNAL:
+            _INTERNAL = frozenset(torch.nn.Module().__dict__)
+        self.model = model
+        self.seen: Dict[str, set] = {}
+        self.warned: Set[str] = set()
+        self.traces = -1
+        self.record()
+
+    def record(self) -> None:
+        slots, dicts, held = [], [], set()
+        for name, m in self.model.named_modules():
+            d = m.__dict__
+            dicts.append(d)
+            for k, v in d.items():
+                if k in _INTERNAL:
+                    continue
+                path = f"{name}.{k}" if name else k
+                if _plain(v):
+                    slots.append((d, k, path))
+                elif hasattr(v, "__dict__") and not isinstance(v, _SKIP) \
+                        and not callable(v) and id(v) not in held:
+                    held.add(id(v))
+                    inner = vars(v)
+                    dicts.append(inner)
+                    slots += [(inner, k2, f"{path}.{k2}") for k2, v2 in inner.items()
+                              if _plain(v2)]
+        self.slots, self.dicts = slots, dicts
+        self.sizes = [len(d) for d in dicts]
+        self.values = [d.get(k, _MISSING) for d, k, _ in slots]
+
+    def changed(self) -> List[str]:
+        """Paths of the attributes changed since record (or one added or removed)."""
+        if [len(d) for d in self.dicts] != self.sizes:
+            return ["an attribute added or deleted"]
+        return [path for (d, k, path), v in zip(self.slots, self.values)
+                if (x := d.get(k, _MISSING)) is not v and x != v]
+
+    def note(self, paths: List[str]) -> None:
+        """Count the values each changed attribute has taken; warn at ``WARN_AT``."""
+        for (d, k, path), old in zip(self.slots, self.values):
+            if path not in paths:
+                continue
+            values = self.seen.setdefault(path, {repr(old)})
+            values.add(repr(d.get(k)))
+            if len(values) >= self.WARN_AT and path not in self.warned:
+                self.warned.add(path)
+                warnings.warn(
+                    f"pw.Trainer: model.{path} changed between steps ({len(values)} values "
+                    f"so far, now {d.get(k)!r}): a traced step keeps a module's Python "
+                    "attributes as constants, so each value traces and compiles the step "
+                    f"again. Keep a value that changes often in a buffer "
+                    f"(self.register_buffer({k!r}, torch.tensor(value)), updated in place "
+                    "with .fill_()): each step then takes it as an input, without a trace",
+                    RetraceWarning, stacklevel=4)
+
+
+def _traces(tr) -> int:
+    return sum(len(p._traces) for p in tr._programs.values())
+
+
+def after_call(tr) -> None:
+    """After a step's programs ran: a trace that happened may have set attributes (a
+    forward caching a flag); those values are the ones the programs now hold."""
+    a = tr._watch.attributes
+    n = _traces(tr)
+    if n != a.traces:
+        a.record()
+        a.traces = n
+
+
 def _tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
@@ -82,22 +185,25 @@ class Watch:
     """The module's tensors and the optimizer's layout as of the last time the module
     and the workers agreed (``record``), and what changed since."""
 
-    def __init__(self, model: torch.nn.Module, optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer, arrays: Dict[str, int]) -> None:
         self.model, self.optimizer = model, optimizer
         self.reshaped = False            # something was assigned into the module
         self.loaded: Set[str] = set()    # written by model.load_state_dict since record
         self.buffers_touched = False     # a forward in train mode on the client
+        self.attributes = Attributes(model)
         _hook_registrations()
         _WATCHES.add(self)
-        self.record()
+        self.record(arrays)
 
-    def record(self) -> None:
-        """The module and optimizer agree with the workers now."""
+    def record(self, arrays: Dict[str, int]) -> None:
+        """The module and optimizer agree with the workers now, whose buffers are
+        ``arrays`` (name -> the Array's buffer id: a step that updates one in place
+        gives it a new id, which makes the module's copy stale)."""
+        self.arrays = arrays
         named = _tensors(self.model)
         self.tensors: List[Tuple[str, torch.Tensor, int, int]] = [
             (n, t, t._version, t.data_ptr()) for n, t in named.items()]
         self.kinds = {n: (id(t), t.dtype, tuple(t.shape)) for n, t in named.items()}
-        self.buffers = {n for n, _ in self.model.named_buffers()}
         self.module_ids = frozenset(id(m) for m in self.model.modules())
         self.layout = _optimizer_layout(self.optimizer)
         self.reshaped, self.buffers_touched = False, False
@@ -136,15 +242,21 @@ def follow(tr, *, discard_stale: bool = False) -> None:
     values changed in place on a stale module are left for the fetch to overwrite
     instead of raising."""
     w = tr._watch
+    attrs = w.attributes.changed()
+    if attrs:                      # a traced step holds them as constants: trace again
+        w.attributes.note(attrs)
+        w.attributes.record()
+        tr._programs.clear()
+        w.attributes.traces = 0
     written = w.written()
     reshaped = w.structure_changed()
     flags = _flags(tr._held)
     if not (written or reshaped or flags != tr._flags):
         return
-    # after a step the trained parameters and the buffers (BatchNorm's statistics) are
-    # stale in the module; the rest (frozen parameters) the steps do not change
-    stale = (set(tr._group_of) | w.buffers) if tr._synced != tr._version else set()
-    bad = [n for n in written if n in stale and n not in w.loaded]
+    # stale in the module: what a step updated since (trained parameters, BatchNorm's
+    # statistics), not what no step writes (a frozen parameter, a constant buffer)
+    now = array_ids(tr)
+    bad = [n for n in written if now.get(n) != w.arrays.get(n) and n not in w.loaded]
     if bad and not discard_stale:
         raise StaleModuleError(
             f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} of the module "
@@ -161,7 +273,17 @@ def follow(tr, *, discard_stale: bool = False) -> None:
             tr._flags = flags
             tr._programs.clear()
         push(tr, fresh)
-    w.record()                     # (``bad`` ones: the fetch that follows overwrites them)
+    w.record(array_ids(tr))        # (``bad`` ones: the fetch that follows overwrites them)
+
+
+def array_ids(tr) -> Dict[str, int]:
+    """Each trained or fixed tensor's buffer on the workers (the first replica)."""
+    return {n: a._id for d in (tr.replicas[0], tr.fixed[0]) for n, a in d.items()}
+
+
+def record(tr) -> None:
+    """The Trainer's module and workers agree now (built, synced, loaded)."""
+    tr._watch.record(array_ids(tr))
 
 
 def push(tr, names: List[str]) -> None:
@@ -257,6 +379,7 @@ def relayout(tr, fresh: List[str]) -> None:
     tr._modules = list(tr.model.modules())
     tr._modes = modes(tr._modules)
     tr._programs.clear()          # their update names the trained parameters
+    w.attributes.record()         # of the modules there are now
 
 
 def _states_replaced(w: Watch, optimizer) -> bool:

@@ -193,7 +193,7 @@ class Trainer:
         self._version = self._synced = 0
         self._closed = False            # the cluster shut down: nothing left to read
         # what the script does to the module and optimizer from now on (follow.py)
-        self._watch = follow.Watch(self.model, self.optimizer)
+        self._watch = follow.Watch(self.model, self.optimizer, follow.array_ids(self))
         _sync_on_read(self)
         runtime.before_shutdown(self._sync_before_shutdown)
 
@@ -341,7 +341,10 @@ class Trainer:
         # a step computes its own gradients: traced with them on even when called
         # inside an evaluation loop's torch.no_grad() or inference_mode()
         with torch.inference_mode(False), torch.enable_grad():
-            return self._step(inputs, targets)
+            try:
+                return self._step(inputs, targets)
+            finally:
+                follow.after_call(self)
 
     def _step(self, inputs: Any, targets: Any) -> Any:
         inputs, targets = plain_batch(inputs), plain_batch(targets)
@@ -389,24 +392,30 @@ class Trainer:
         whole result, as ``step`` returns it)."""
         inputs, targets = plain_batch(inputs), plain_batch(targets)
         follow.follow(self)
-        if isinstance(self.parallelism, Pipeline):
-            return pipeline_eval(self, inputs, targets)
-        s, axis = self.slices[0], getattr(self.parallelism, "batch_axis", None)
-        prog = self._program("evaluate", make_eval_fn(self.model, self.loss_fn,
-                                                      self.options))
-        return prog(self.replicas[0], self.fixed[0], _place_batch(inputs, s, axis),
-                    _place_batch(targets, s, axis))
+        try:
+            if isinstance(self.parallelism, Pipeline):
+                return pipeline_eval(self, inputs, targets)
+            s, axis = self.slices[0], getattr(self.parallelism, "batch_axis", None)
+            prog = self._program("evaluate", make_eval_fn(self.model, self.loss_fn,
+                                                          self.options))
+            return prog(self.replicas[0], self.fixed[0], _place_batch(inputs, s, axis),
+                        _place_batch(targets, s, axis))
+        finally:
+            follow.after_call(self)
 
     def predict(self, inputs: Any) -> Any:
         """The model's outputs on a batch in eval mode, as ``pw.Array``s in the
         model's output structure (a tensor, a tuple, a dict, a ModelOutput)."""
         inputs = plain_batch(inputs)
         follow.follow(self)
-        if isinstance(self.parallelism, Pipeline):
-            return pipeline_eval(self, inputs, None, outputs=True)
-        s, axis = self.slices[0], getattr(self.parallelism, "batch_axis", None)
-        prog = self._program("predict", make_predict_fn(self.model, self.options))
-        return prog(self.replicas[0], self.fixed[0], _place_batch(inputs, s, axis))
+        try:
+            if isinstance(self.parallelism, Pipeline):
+                return pipeline_eval(self, inputs, None, outputs=True)
+            s, axis = self.slices[0], getattr(self.parallelism, "batch_axis", None)
+            prog = self._program("predict", make_predict_fn(self.model, self.options))
+            return prog(self.replicas[0], self.fixed[0], _place_batch(inputs, s, axis))
+        finally:
+            follow.after_call(self)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
@@ -454,7 +463,7 @@ class Trainer:
         self.steps = int(sd["steps"])
         if "rng" in sd:
             self._set_rng(sd["rng"])
-        self._watch.record()        # what the script did to the module before: replaced
+        follow.record(self)         # what the script did to the module before: replaced
         if self._book is not None and "numbers" in sd:
             self._book.mirror = copy.deepcopy(sd["numbers"])
             first = self.slices[0]
@@ -499,7 +508,7 @@ class Trainer:
             for (gi, k), t in sd.get("group_tensors", {}).items():
                 self.optimizer.param_groups[gi][k] = t
             self._synced = version
-            self._watch.record()
+            follow.record(self)
         return model
 
     def _sync_if_stale(self) -> None:
@@ -637,7 +646,7 @@ class Trainer:
                 g.update(held)
         if self.scheduler is not None and side.get("scheduler") is not None:
             self.scheduler.load_state_dict(side["scheduler"])
-        self._watch.record()        # what the script did to the module before: replaced
+        follow.record(self)         # what the script did to the module before: replaced
 
     # ------------------------------------------------------------------ elastic training
     def fit(self, data: Any, *, steps: Optional[int] = None,
