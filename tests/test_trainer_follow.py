@@ -4,14 +4,17 @@ plain torch doing the same (same seed, same data).
 Loading pretrained weights or a torch checkpoint after building the Trainer, nn.init,
 rolling back to the best weights, clipping a critic's weights (after ``sync_to``),
 adding a param group, swapping in a new head, a forward in train mode on the client
-(BatchNorm's statistics): the next steps train on what torch would. A change computed
-from the stale module raises ``pw.StaleModuleError``. Losses and parameters within
+(BatchNorm's statistics), a Python attribute or a buffer changed between steps,
+``torch.manual_seed`` after building: the next steps train on what torch would. A
+change computed from the stale module raises ``pw.StaleModuleError``. Reads: a second
+Trainer on the same model, ``copy.deepcopy`` and pickling see the trained values. Losses and parameters within
 1e-5 (``trainer_helpers.TOL``); one module-scoped cluster (``cluster8``).
 """
 
 from __future__ import annotations
 
 import copy
+import io
 import types
 
 import pytest
@@ -352,3 +355,39 @@ def test_a_dropout_rate_set_to_zero_between_steps(s2):
     model.train()
     assert first != pytest.approx(want, abs=1e-6)     # the mask was on
     assert float(tr.step(x, y)) == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
+def test_a_second_trainer_on_the_same_model_starts_from_the_trained_weights(s2):
+    """A linear probe, then a fine-tune with a new optimizer and a new Trainer."""
+    data = batches(6)
+    ref, got = mlp(), mlp()
+    want = torch_run(ref, torch.optim.SGD(ref[4].parameters(), lr=0.1), data[:3])
+    want += torch_run(ref, adam(ref), data[3:])
+    probe = trainer(got, torch.optim.SGD(got[4].parameters(), lr=0.1), s2)
+    losses = pw_run(probe, data[:3])
+    tune = trainer(got, adam(got), s2)
+    losses += pw_run(tune, data[3:])
+    assert_losses(losses, want)
+
+
+def test_deepcopy_and_pickling_the_module_after_steps_hold_the_trained_values(s2):
+    data = batches(3)
+    model = mlp()
+    tr = trainer(model, adam(model), s2)
+    pw_run(tr, data)
+    best = copy.deepcopy(model)                  # a best-model snapshot
+    trained = {n: a.torch() for n, a in tr.params.items()}
+    for n, p in best.named_parameters():
+        torch.testing.assert_close(p.detach(), trained[n], rtol=0, atol=0)
+    assert not best._forward_pre_hooks and not best._state_dict_pre_hooks
+    pw_run(tr, data)                             # stale again
+    buf = io.BytesIO()
+    torch.save(model, buf)                       # the whole module, pickled
+    assert b"pathways_torch" not in buf.getvalue()
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    trained = {n: a.torch() for n, a in tr.params.items()}
+    for n, p in loaded.named_parameters():
+        torch.testing.assert_close(p.detach(), trained[n], rtol=0, atol=0)
+    x, _ = data[0]
+    torch.testing.assert_close(loaded(x), model(x))   # the copy runs without the hooks

@@ -190,6 +190,7 @@ class Watch:
         self.reshaped = False            # something was assigned into the module
         self.loaded: Set[str] = set()    # written by model.load_state_dict since record
         self.buffers_touched = False     # a forward in train mode on the client
+        self.owner = lambda: None        # the Trainer, weakly (set by it)
         self.attributes = Attributes(model)
         _hook_registrations()
         _WATCHES.add(self)

@@ -44,7 +44,7 @@ from ..errors import PathwaysError
 from ..parallel.strategies import DataParallel, MultiIsland, Pipeline, mesh_sizes
 from ..sharding import P, validate_spec
 from . import elastic
-from . import follow, numbers, optim as fopt
+from . import follow, numbers, optim as fopt, reads
 from .batches import _place_batch
 from .elastic import Restart
 from .follow import _flags, modes as _modes
@@ -86,6 +86,7 @@ class Trainer:
                  precision: Optional[str] = None, scheduler=None,
                  seed: Optional[int] = None) -> None:
         model = _uncompiled(model)
+        reads.sync_others(model, follow._WATCHES)    # a Trainer before this one on it
         if isinstance(optimizer, (list, tuple)):
             optimizer = fopt.Chain(optimizer)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
@@ -192,9 +193,11 @@ class Trainer:
         # the module and optimizer hold what the workers hold as of this update count
         self._version = self._synced = 0
         self._closed = False            # the cluster shut down: nothing left to read
-        # what the script does to the module and optimizer from now on (follow.py)
+        # reads of the module and optimizer see the trained values (reads.py), and
+        # what the script does to them is followed from now on (follow.py)
+        reads.install(self)
         self._watch = follow.Watch(self.model, self.optimizer, follow.array_ids(self))
-        _sync_on_read(self)
+        self._watch.owner = weakref.ref(self)
         runtime.before_shutdown(self._sync_before_shutdown)
 
     # ------------------------------------------------------------------ layout helpers
@@ -513,7 +516,7 @@ class Trainer:
 
     def _sync_if_stale(self) -> None:
         """What a read of the module or the optimizer (``state_dict()``, a forward on
-        the CPU) sees: the trained values, as in a torch loop (see ``_sync_on_read``)."""
+        the CPU) sees: the trained values, as in a torch loop (see reads.py)."""
         if self._synced != self._version and not self._closed \
                 and not torch.compiler.is_compiling():
             follow.follow(self)     # a change of the stale module raises, not lost
@@ -745,57 +748,6 @@ def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, OptimizedModule):
         model = model._orig_mod
     return model
-
-
-def _sync_on_read(trainer: "Trainer") -> None:
-    """Keep torch's promise that the module and the optimizer hold the trained values
-    whenever the script reads them. In a torch loop ``optimizer.step()`` updates the
-    module in place; here the values live on the workers, so ``model.state_dict()``
-    (``torch.save`` at the end of training), a CPU forward (generation, a quick eval)
-    and ``optimizer.state_dict()`` would read the values from before training,
-    silently. Hooks on those reads sync first when a step happened since the last
-    sync (a fetch, only then). Reads of ``model.parameters()`` themselves cannot be
-    hooked: call ``trainer.sync_to()`` before them. Writes are followed (follow.py);
-    ``model.load_state_dict`` tells the Trainer which tensors it replaces. The hooks hold the Trainer weakly
-    (it must not outlive its last reference: its worker buffers are freed then), and
-    are removed with it."""
-    ref = weakref.ref(trainer)
-
-    def mine(owner):
-        # a deepcopy of the module (an EMA copy) carries the hooks: not its business
-        t = ref()
-        return t if t is not None and (owner is t.model or any(
-            owner is o for o in fopt.members(t.optimizer))) else None
-
-    def sync(owner, *_args, **_kwargs):
-        t = mine(owner)
-        if t is not None:
-            t._sync_if_stale()
-
-    def forward(owner, *_args, **_kwargs):
-        t = mine(owner)
-        if t is not None and not torch.compiler.is_compiling():
-            t._sync_if_stale()
-            # a forward in train mode updates BatchNorm's statistics, in place without
-            # torch's version counter: the next step takes the module's buffers
-            t._watch.buffers_touched |= owner.training
-
-    def load(owner, state_dict, prefix, *_args):
-        t = mine(owner)
-        if t is not None:
-            t._watch.on_load(state_dict, prefix)
-
-    handles = [trainer.model.register_state_dict_pre_hook(sync),
-               trainer.model.register_forward_pre_hook(forward),
-               trainer.model.register_load_state_dict_pre_hook(load)]
-    handles += [o.register_state_dict_pre_hook(sync)
-                for o in fopt.members(trainer.optimizer)]
-    weakref.finalize(trainer, _remove, handles)
-
-
-def _remove(handles) -> None:
-    for h in handles:
-        h.remove()
 
 
 class _Schedulers:
