@@ -391,3 +391,17 @@ def test_deepcopy_and_pickling_the_module_after_steps_hold_the_trained_values(s2
         torch.testing.assert_close(p.detach(), trained[n], rtol=0, atol=0)
     x, _ = data[0]
     torch.testing.assert_close(loaded(x), model(x))   # the copy runs without the hooks
+
+
+def test_a_compiled_forward_on_the_client_after_steps_uses_the_trained_weights(s2):
+    data = batches(3)
+    model = mlp()
+    tr = trainer(model, adam(model), s2)
+    compiled = torch.compile(model, backend="eager")
+    x, _ = data[0]
+    before = compiled(x).detach()
+    pw_run(tr, data)
+    trained = mlp()
+    trained.load_state_dict({n: a.torch() for n, a in tr.params.items()})
+    torch.testing.assert_close(compiled(x), trained(x))   # not the graph's old weights
+    assert not torch.allclose(before, trained(x))

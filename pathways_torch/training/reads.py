@@ -45,6 +45,13 @@ class _Hook:
         self.fn, self.ref = fn, ref
 
     def __call__(self, owner, *args, **kwargs):
+        if torch.compiler.is_dynamo_compiling():
+            # the user's torch.compile(model) traces the hook: a graph break, so the
+            # sync runs when the compiled forward runs, not once while it compiles
+            return _eagerly()(self, owner, *args, **kwargs)
+        return self.run(owner, *args, **kwargs)
+
+    def run(self, owner, *args, **kwargs):
         t = self.ref()
         # a copy of the module or optimizer made before the hook dicts dropped it (or
         # the user's own copy of the dict) is not the Trainer's business
@@ -52,6 +59,17 @@ class _Hook:
                 owner is o for o in fopt.members(t.optimizer))):
             self.fn(t, owner, *args, **kwargs)
         return None
+
+
+_EAGER = None
+
+
+def _eagerly():
+    """``_Hook.run``, never traced by dynamo (made on first use: dynamo is loaded then)."""
+    global _EAGER
+    if _EAGER is None:
+        _EAGER = torch.compiler.disable(_Hook.run)
+    return _EAGER
 
 
 def _ours(v) -> bool:
