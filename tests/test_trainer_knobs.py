@@ -56,7 +56,7 @@ def strategy(name):
 
 
 def torch_train(model, opt, data, loss_fn=F.cross_entropy, clip=None, scheduler=None,
-                bf16=False, call=None, each_step=None):
+                bf16=False, call=None, each_step=None, clip_value=None):
     """Plain torch: the losses of one step per batch; the gradient norms before clipping.
     ``each_step(model, i)`` runs before step i (a layer frozen, a hook registered)."""
     call = call or (lambda m, x: m(x))
@@ -72,6 +72,8 @@ def torch_train(model, opt, data, loss_fn=F.cross_entropy, clip=None, scheduler=
         else:
             loss = loss_fn(call(model, x), y)
         loss.float().backward()
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
@@ -502,6 +504,28 @@ def test_max_grad_norm_equals_clip_grad_norm(s2, pipe_slices, strat):
     assert_losses(got, want)
     assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
     free, _ = torch_train(unclipped, make_opt(unclipped.parameters()), data)
+    assert_differ(got, free)
+
+
+@pytest.mark.parametrize("strat,norm", [("dp", None), ("fsdp", MAX_NORM), ("pipeline", None),
+                                        ("pipeline", MAX_NORM)])
+def test_max_grad_value_equals_clip_grad_value(s2, pipe_slices, strat, norm):
+    """``clip_grad_value_`` (Lightning's gradient_clip_algorithm="value"), alone or
+    before ``clip_grad_norm_`` (the norm then of the clamped gradients)."""
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)
+    model, data = clip_model(), batches(4, batch=8, seed=3)
+    ref, unclipped = copy.deepcopy(model), copy.deepcopy(model)
+    if strat == "pipeline":
+        kw = dict(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
+    else:
+        kw = dict(slice=s2, parallelism=strategy(strat))
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy,
+                    max_grad_value=0.05, max_grad_norm=norm, **kw)
+    got = floats([tr.step(x, y) for x, y in data])
+    want, _ = torch_train(ref, make_opt(ref.parameters()), data, clip=norm, clip_value=0.05)
+    assert_losses(got, want)
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
+    free, _ = torch_train(unclipped, make_opt(unclipped.parameters()), data, clip=norm)
     assert_differ(got, free)
 
 

@@ -71,7 +71,9 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
             # meets on the first stage's slice, the factor goes back to each stage
             sq = trainer._program("grad_sq", grad_square_sum)
             coef_prog = trainer._program("clip_coef", clip_coef)
-            parts = [sq(acc[k]) for k in range(len(stages))]
+            value = trainer.options.max_grad_value
+            parts = [sq(acc[k], None if value is None else float(value))
+                     for k in range(len(stages))]
             coef = coef_prog([p if k == 0 else p.to(slices[0])
                               for k, p in enumerate(parts)], float(max_norm))
             coefs = [coef if k == 0 else coef.to(slices[k]) for k in range(len(stages))]

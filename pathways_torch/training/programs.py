@@ -46,6 +46,7 @@ class Options:
     max_grad_norm: Optional[float] = None
     accumulate: int = 1
     precision: Optional[str] = None          # None/"fp32" or "bf16"
+    max_grad_value: Optional[float] = None   # clip_grad_value_, before the norm
 
     def __post_init__(self):
         if self.precision not in (None, "fp32", "bf16"):
@@ -55,6 +56,8 @@ class Options:
             raise PathwaysError(f"accumulate must be an integer >= 1, not {self.accumulate}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise PathwaysError(f"max_grad_norm must be positive, not {self.max_grad_norm}")
+        if self.max_grad_value is not None and not self.max_grad_value > 0:
+            raise PathwaysError(f"max_grad_value must be positive, not {self.max_grad_value}")
 
 
 # ---------------------------------------------------------------------- the model call
@@ -191,10 +194,12 @@ GROUP_TENSORS = "pw.groups"
 
 def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, params,
                     grads, states, lrs):
-    """``clip_grad_norm_`` (when asked) and the optimizer step, in place; returns the
-    state the step created (absent from ``states``) or replaced (a generic step may
-    assign a new tensor), per parameter name."""
+    """``clip_grad_value_`` and ``clip_grad_norm_`` (when asked, in that order) and the
+    optimizer step, in place; returns the state the step created (absent from
+    ``states``) or replaced (a generic step may assign a new tensor), per parameter
+    name."""
     with torch.no_grad():
+        grads = clip_values(grads, options.max_grad_value)
         if options.max_grad_norm is not None:
             with_grad = [params[n] for n in params if grads.get(n) is not None]
             for n in params:
@@ -216,6 +221,13 @@ def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, param
             if new:
                 created[n] = new
     return created
+
+
+def clip_values(grads: Dict[str, Any], limit: Optional[float]) -> Dict[str, Any]:
+    """``torch.nn.utils.clip_grad_value_``: each gradient clamped to [-limit, limit]."""
+    if limit is None:
+        return grads
+    return {n: (g.clamp(-limit, limit) if g is not None else None) for n, g in grads.items()}
 
 
 def grad_hooks(model: torch.nn.Module) -> Dict[str, list]:
@@ -321,9 +333,10 @@ def make_apply_fn(spec: Dict, groups: List[List[str]], options: Options,
                     g = g + other[n]
                 grads[n] = g / len(grad_list) if len(grad_list) > 1 else g
         opts = options
-        if coef is not None:
-            grads = {n: g * coef for n, g in grads.items()}
-            opts = dataclasses.replace(options, max_grad_norm=None)
+        if coef is not None:     # the global norm's factor (of value-clipped gradients)
+            grads = {n: g * coef for n, g in
+                     clip_values(grads, options.max_grad_value).items()}
+            opts = dataclasses.replace(options, max_grad_norm=None, max_grad_value=None)
         names = set(params)
         sub = [[n for n in g if n in names] for g in groups]
         return clip_and_update(dict(spec, groups=hyper), sub, opts, params, grads, states,
@@ -331,8 +344,11 @@ def make_apply_fn(spec: Dict, groups: List[List[str]], options: Options,
     return apply
 
 
-def grad_square_sum(grads: Dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum of the squares of every gradient (a part of the global norm)."""
+def grad_square_sum(grads: Dict[str, torch.Tensor], max_value: Optional[float] = None
+                    ) -> torch.Tensor:
+    """Sum of the squares of every gradient, value-clipped first when asked (a part of
+    the global norm)."""
+    grads = clip_values(grads, max_value)
     return torch.stack([g.float().pow(2).sum() for g in grads.values()]).sum()
 
 

@@ -67,7 +67,8 @@ class Trainer:
     has one).
 
     ``max_grad_norm`` clips the global gradient norm before each update (as
-    ``torch.nn.utils.clip_grad_norm_``); ``accumulate=k`` makes every k calls of
+    ``torch.nn.utils.clip_grad_norm_``), ``max_grad_value`` each gradient's elements
+    (as ``clip_grad_value_``, before the norm when both are given); ``accumulate=k`` makes every k calls of
     ``step`` one update (equal to one step on the k micro-batches concatenated);
     ``precision="bf16"`` runs forward and loss under ``torch.autocast("cpu",
     torch.bfloat16)`` with fp32 parameters and optimizer state. ``scheduler`` (a
@@ -82,7 +83,8 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any,
                  loss_fn: Optional[Callable] = None, *, slice=None, parallelism=None,
-                 max_grad_norm: Optional[float] = None, accumulate: int = 1,
+                 max_grad_norm: Optional[float] = None,
+                 max_grad_value: Optional[float] = None, accumulate: int = 1,
                  precision: Optional[str] = None, scheduler=None,
                  seed: Optional[int] = None) -> None:
         model = _uncompiled(model)
@@ -90,7 +92,7 @@ class Trainer:
         if isinstance(optimizer, (list, tuple)):
             optimizer = fopt.Chain(optimizer)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.options = Options(max_grad_norm, int(accumulate), precision)
+        self.options = Options(max_grad_norm, int(accumulate), precision, max_grad_value)
         if isinstance(scheduler, (list, tuple)):
             scheduler = _Schedulers(scheduler) if scheduler else None
         for sch in getattr(scheduler, "schedulers", [scheduler]):
