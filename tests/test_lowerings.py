@@ -15,6 +15,7 @@ goes on; before the probe several of them aborted or crashed the client process.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -43,6 +44,8 @@ SQ = torch.randn(3, 4, 4, generator=_G) + 3 * torch.eye(4)
 EDGES = torch.tensor([0, 2, 0, 2])[:, None].expand(4, 16)      # row 1 gets nothing
 LOGITS = torch.randn(10, 3, 5, generator=_G)                     # frames, batch, classes
 LEVELS = torch.tensor([0.4, 0.1, 0.5, 0.3] * 4)                   # float32(0.4), ...
+BAG_ROWS = torch.tensor([[0, 2, 1], [3, 3, 0], [0, 0, 0]])          # the last: all padding
+BAG_IDS = torch.tensor([0, 2, 1, 3, 3, 0, 1])
 CTC_TARGETS = torch.tensor([[1, 1, 3, 2], [2, 4, 0, 0], [0, 0, 0, 0]])   # a repeat; padding
 
 CASES = {
@@ -102,6 +105,16 @@ CASES = {
                                                         interpolation="nearest"), VEC),
     "gaussian_nll_loss": (lambda x: F.gaussian_nll_loss(
         x[:, :8], x[:, 8:].flip(1), x[:, 0].abs() + 0.1, reduction="none"), VEC),
+    "embedding_bag 2-d mean, padding_idx": (lambda x: F.embedding_bag(
+        BAG_ROWS, x, mode="mean", padding_idx=0), VEC),
+    "embedding_bag 2-d max": (lambda x: F.embedding_bag(BAG_ROWS, x * 3, mode="max"), VEC),
+    "embedding_bag 1-d sum, per_sample_weights, an empty bag": (lambda x: F.embedding_bag(
+        BAG_IDS, x, torch.tensor([0, 3, 3, 5]), mode="sum",
+        per_sample_weights=torch.linspace(0.5, 2.0, 7)), VEC),
+    "embedding_bag 1-d mean, include_last_offset": (lambda x: F.embedding_bag(
+        BAG_IDS, x, torch.tensor([0, 2, 5, 7]), mode="mean", include_last_offset=True), VEC),
+    "embedding_bag 1-d max, padding_idx": (lambda x: F.embedding_bag(
+        BAG_IDS, x * 3, torch.tensor([0, 2, 5]), mode="max", padding_idx=3), VEC),
     "cummin": (lambda x: torch.cummin(x, 1).values, VEC),
     "logcumsumexp": (lambda x: torch.logcumsumexp(x * 30, 1), VEC),
     "exp2": (torch.exp2, VEC),
@@ -314,3 +327,32 @@ def test_a_model_that_needs_the_formulas_trains_like_torch(s1):
         torch.testing.assert_close(out.state_dict()[name], p, atol=TOL, rtol=TOL,
                                    msg=lambda m: f"{name}: {m}")
     assert not math.isclose(want[0], want[-1])
+
+
+class BagOfWords(nn.Module):
+    """A fastText-style classifier: nn.EmbeddingBag over flat token ids and offsets."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(40, 16, mode="mean", padding_idx=0)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids, offsets):
+        return self.head(self.bag(ids, offsets))
+
+
+def test_an_embedding_bag_model_trains_like_torch(s1):
+    torch.manual_seed(0)
+    ref = BagOfWords()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(3)
+    data = [((torch.randint(0, 40, (20,), generator=g), torch.tensor([0, 3, 3, 9, 14, 15])),
+             torch.randint(0, 4, (6,), generator=g)) for _ in range(3)]
+    want = _torch_losses(torch.optim.Adam(ref.parameters(), lr=1e-2),
+                         [lambda x=x, y=y: F.cross_entropy(ref(*x), y) for x, y in data])
+    tr = pw.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), F.cross_entropy,
+                    slice=s1)
+    got = [float(tr.step(x, y)) for x, y in data]
+    assert got == pytest.approx(want, abs=TOL, rel=TOL)
+    tr.sync_to()
+    torch.testing.assert_close(model.bag.weight, ref.bag.weight, atol=TOL, rtol=TOL)

@@ -10,7 +10,8 @@ then a grouped matmul over the rows sorted by expert), the backward of a
 weight-normed layer, a median along a dimension, interpolation (resample.py), lgamma, digamma and
 polygamma (special.py; torch.distributions needs them), torch.fft (dft.py), a few
 elementwise functions (``exp2``, ``hypot``, ``fmax``, ``signbit``, ``round(decimals=)``),
-cumulative ``cummin`` and ``logcumsumexp``, ``nn.Embedding(max_norm=)``'s renorm, and
+cumulative ``cummin`` and ``logcumsumexp``, ``nn.Embedding(max_norm=)``'s renorm,
+``F.embedding_bag``, and
 the linear algebra XLA has under other names (Cholesky, triangular solves; the
 singular-matrix check of ``linalg.inv`` reads a value and is skipped: XLA gives inf/nan
 where torch would raise).
@@ -592,6 +593,55 @@ def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"
     return {"none": loss, "mean": loss.mean(), "sum": loss.sum()}[reduction]
 
 
+def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,
+                  scale_grad_by_freq=False, mode="mean", sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=None):
+    """F.embedding_bag (torch_xla has no ``_embedding_bag``) as a lookup and a masked
+    reduction: a bag is a row of a 2-d ``input``, or the run of a 1-d ``input`` between
+    two ``offsets`` (the membership is a comparison with the offsets, so its shape is
+    static). ``padding_idx`` entries count in no bag; an empty bag gives zeros; a
+    sparse gradient is dense, as for ``nn.Embedding(sparse=True)``."""
+    import torch.nn.functional as F
+    if mode not in ("sum", "mean", "max"):
+        raise ValueError(f"embedding_bag: mode must be 'sum', 'mean' or 'max', not {mode!r}")
+    if per_sample_weights is not None and mode != "sum":
+        raise NotImplementedError(
+            "embedding_bag: per_sample_weights was not None. per_sample_weights is only "
+            f"supported for mode='sum' (got mode='{mode}'). Please open a feature request "
+            "on GitHub.")
+    emb = F.embedding(input, weight, None, max_norm, norm_type, scale_grad_by_freq)
+    keep = (input != padding_idx) if padding_idx is not None else torch.ones_like(
+        input, dtype=torch.bool)
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("embedding_bag: if input is 2-D, offsets has to be None, as "
+                             "input is treated is a mini-batch of fixed length sequences.")
+        member = keep                                         # [bags, n]
+        rows = emb                                            # [bags, n, dim]
+    else:
+        n = input.shape[0]
+        bags = offsets.shape[0] - (1 if include_last_offset else 0)
+        starts = offsets[:bags].to(torch.int64)
+        ends = (offsets[1:bags + 1].to(torch.int64) if include_last_offset else
+                torch.cat([offsets[1:bags].to(torch.int64),
+                           torch.full((1,), n, dtype=torch.int64, device=input.device)]))
+        at = torch.arange(n, device=input.device)
+        member = (at >= starts[:, None]) & (at < ends[:, None]) & keep    # [bags, n]
+        rows = emb.unsqueeze(0).expand(bags, n, emb.shape[-1])
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.unsqueeze(0)
+    w = member.to(emb.dtype)
+    if mode == "max":
+        out = rows.masked_fill(~member.unsqueeze(-1), float("-inf")).amax(-2)
+        return torch.where(member.any(-1, keepdim=True), out, torch.zeros_like(out))
+    if per_sample_weights is not None:
+        w = w * per_sample_weights.to(emb.dtype)
+    total = (rows * w.unsqueeze(-1)).sum(-2)
+    if mode == "sum":
+        return total
+    return total / member.sum(-1, keepdim=True).clamp(min=1).to(emb.dtype)
+
+
 def above_autograd() -> Dict[Callable, Callable]:
     """{public torch function: formula}, applied while a program is traced."""
     import torch.nn.functional as F
@@ -614,4 +664,5 @@ def above_autograd() -> Dict[Callable, Callable]:
         F.ctc_loss: ctc.ctc_loss,
         torch.quantile: quantile, torch.Tensor.quantile: quantile,
         F.gaussian_nll_loss: gaussian_nll_loss,
+        F.embedding_bag: embedding_bag,
     }

@@ -122,7 +122,11 @@ def traceable() -> Iterator[None]:
     import torch.utils.checkpoint as ckpt
     validate = Distribution._validate_args
     reentrant = vars(ckpt.CheckpointFunction).get("apply")     # None: autograd.Function's
-    with tc.set_stance("force_eager"), cpu_autocast, _Formulas(lowerings.above_autograd()):
+    formulas = lowerings.above_autograd()
+    # F.embedding_bag's torch-function dispatch names the module's global, which is
+    # dense_embedding_bag while this block runs
+    formulas[dense_embedding_bag] = formulas[embedding_bag]
+    with tc.set_stance("force_eager"), cpu_autocast, _Formulas(formulas):
         Distribution.set_default_validate_args(False)
         ckpt.CheckpointFunction.apply = staticmethod(_non_reentrant)
         torch._C._set_mkldnn_enabled(False)
