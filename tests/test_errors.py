@@ -68,6 +68,58 @@ def test_one_hot_without_num_classes_says_to_pass_it(s):
         torch.nn.functional.one_hot(torch.tensor([0, 2, 1]), 4).float().tolist()
 
 
+class _LastState(torch.nn.Module):
+    """An LSTM classifier over sequences of several lengths: ``packed`` packs them (as
+    torch tutorials do), otherwise the padded batch with each sequence's last output
+    gathered, as pathways' error advises."""
+
+    def __init__(self, packed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.packed = packed
+        self.rnn = torch.nn.LSTM(3, 8, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x, lengths):
+        if self.packed:
+            _, (h, _) = self.rnn(torch.nn.utils.rnn.pack_padded_sequence(
+                x, lengths, batch_first=True, enforce_sorted=False))
+            return self.head(h[-1])
+        out, _ = self.rnn(x)
+        return self.head(out.gather(1, (lengths - 1).view(-1, 1, 1).expand(
+            -1, 1, out.shape[2])).squeeze(1))
+
+
+def test_pack_padded_sequence_is_refused_with_a_rewrite_that_trains_like_it(s):
+    g = torch.Generator().manual_seed(4)
+    data = [((torch.randn(4, 6, 3, generator=g), torch.tensor([6, 2, 4, 1])),
+             torch.randint(0, 2, (4,), generator=g)) for _ in range(3)]
+    loss_fn = torch.nn.functional.cross_entropy
+    ref = _LastState(packed=True)            # torch, packed
+    opt, want = torch.optim.SGD(ref.parameters(), lr=0.5), []
+    for x, y in data:
+        opt.zero_grad()
+        loss = loss_fn(ref(*x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    one = pw.slice((1,))
+    try:
+        packed = _LastState(packed=True)
+        tr = pw.Trainer(packed, torch.optim.SGD(packed.parameters(), lr=0.5), loss_fn,
+                        slice=one)
+        with pytest.raises(pw.DataDependentError,
+                           match=r"pack_padded_sequence.*out\.gather"):
+            tr.step(*data[0])
+        padded = _LastState(packed=False)
+        tr = pw.Trainer(padded, torch.optim.SGD(padded.parameters(), lr=0.5), loss_fn,
+                        slice=one)
+        got = [float(tr.step(x, y)) for x, y in data]
+    finally:
+        one.release()
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
 def test_operands_of_two_dtypes_are_refused_as_torch_refuses_them(s):
     """model.half() fed float32 inputs: torch raises; fake tensors would trace it and
     XLA's verifier fail the compile on the worker."""

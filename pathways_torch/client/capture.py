@@ -117,6 +117,12 @@ def _data_dependent(name: str, what: str, where: str = "") -> DataDependentError
     hint = ""
     if "one_hot(" in where and "num_classes" not in where:
         hint = " F.one_hot without num_classes reads the largest class: pass num_classes=."
+    elif "_pack_padded_sequence" in what:
+        hint = (" A PackedSequence is as long as the lengths add up to: give the RNN the "
+                "padded batch, and take each sequence's last output with "
+                "out.gather(1, (lengths - 1).view(-1, 1, 1).expand(-1, 1, out.shape[2])) "
+                "(or mask the padding), which gives the same hidden state for a "
+                "unidirectional RNN.")
     return DataDependentError(
         f"program '{name}' reads a tensor's value while being traced ({what})"
         f"{where}.{hint} Programs "
