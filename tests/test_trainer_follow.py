@@ -405,3 +405,23 @@ def test_a_compiled_forward_on_the_client_after_steps_uses_the_trained_weights(s
     trained.load_state_dict({n: a.torch() for n, a in tr.params.items()})
     torch.testing.assert_close(compiled(x), trained(x))   # not the graph's old weights
     assert not torch.allclose(before, trained(x))
+
+
+def test_model_bfloat16_after_building_the_trainer(s2):
+    """``model.bfloat16()`` swaps every parameter's ``.data``: the Trainer lays out
+    bfloat16 parameters and state (AdamW creates it at the first step, in the
+    parameters' dtype). Losses within bfloat16's rounding: 2 units in the last place
+    at 1 (2 ** -6), as for a model built in bfloat16."""
+    g = torch.Generator().manual_seed(6)
+    data = [(torch.randn(8, 8, generator=g).bfloat16(), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(3)]
+    ref, got = mlp(), mlp()
+    ref.bfloat16()
+    want = torch_run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data)
+    tr = trainer(got, torch.optim.AdamW(got.parameters(), lr=1e-2), s2)
+    got.bfloat16()
+    losses = pw_run(tr, data)
+    assert losses == pytest.approx(want, rel=2 ** -6)
+    assert all(a.dtype == torch.bfloat16 for a in tr.params.values())
+    assert all(a.dtype == torch.bfloat16 for st in tr.states[0].values()
+               for k, a in st.items() if k != "step")

@@ -217,6 +217,13 @@ class Watch:
             out += [n for n, _ in self.model.named_buffers() if n not in out]
         return out
 
+    def retyped(self, written: List[str]) -> bool:
+        """Whether a written tensor changed dtype or shape (``model.bfloat16()`` swaps
+        each parameter's ``.data``): the layout, the state and the programs change."""
+        names = set(written)
+        return any(self.kinds.get(n) != (id(t), t.dtype, tuple(t.shape))
+                   for n, t, _, _ in self.tensors if n in names)
+
     def structure_changed(self) -> bool:
         """A tensor assigned into the module (new, replaced, another dtype or shape) or
         the optimizer's groups or state replaced since record."""
@@ -250,7 +257,7 @@ def follow(tr, *, discard_stale: bool = False) -> None:
         tr._programs.clear()
         w.attributes.traces = 0
     written = w.written()
-    reshaped = w.structure_changed()
+    reshaped = w.structure_changed() or (bool(written) and w.retyped(written))
     flags = _flags(tr._held)
     if not (written or reshaped or flags != tr._flags):
         return
