@@ -350,6 +350,9 @@ class DataPlane:
                     reply.shm_path, flags = path, FLAG_SHM
             reply.nbytes = nbytes
             aux = reply.SerializeToString()
+            # counted before the puller can have them: a Stats call after the fetch
+            # returns sees them (counted after, a test that asked at once raced it)
+            self.bytes_sent += nbytes
             conn.sendall(HEADER.pack(MAGIC, tid, flags, nbytes, len(aux)) + aux)
             if not flags:
                 for v in views:
@@ -357,7 +360,6 @@ class DataPlane:
         finally:
             if release is not None:
                 release()
-        self.bytes_sent += nbytes
         if t0:
             rec.add("transfer", "pull", t0, nbytes=nbytes, transfer_id=tid,
                     detail="shared memory" if flags else "socket")
