@@ -45,6 +45,23 @@ def cluster8():
 
 
 @pytest.fixture(scope="module")
+def s2(cluster8):
+    """A 2-device "data" slice on the module's cluster (the Trainer tests' SPMD slice)."""
+    s = pw.slice((2,), axis_names=("data",))
+    yield s
+    s.release()
+
+
+@pytest.fixture(scope="module")
+def pipe_slices(cluster8):
+    """Two 1-device slices on the module's cluster (a 2-stage pipeline's)."""
+    slices = [pw.slice((1,)) for _ in range(2)]
+    yield slices
+    for s in slices:
+        s.release()
+
+
+@pytest.fixture(scope="module")
 def mesh42(cluster8):
     """A (4, 2) slice with axes ("data", "model") on the module's cluster."""
     s = pw.slice((4, 2), axis_names=("data", "model"))

@@ -18,14 +18,6 @@ TOL = 1e-5
 BATCH = 8
 
 
-@pytest.fixture(scope="module")
-def s2(cluster8):
-    """The one slice of the module: every Trainer here shares it."""
-    s = pw.slice((2,), axis_names=("data",))
-    yield s
-    s.release()
-
-
 @pytest.fixture(autouse=True)
 def _progress_env(monkeypatch):
     monkeypatch.delenv("PATHWAYS_PROGRESS", raising=False)

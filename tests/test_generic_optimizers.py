@@ -27,13 +27,6 @@ from trainer_helpers import TOL, assert_losses, assert_same_model, batches, mlp
 F = nn.functional
 
 
-@pytest.fixture(scope="module")
-def s2(cluster8):
-    s = pw.slice((2,), axis_names=("data",))
-    yield s
-    s.release()
-
-
 class HandAdam(torch.optim.Optimizer):
     """Adam as a paper's repository writes it: a Python int step count in the state,
     bias corrections with ``math.sqrt``, a branch on weight decay."""

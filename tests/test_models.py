@@ -28,13 +28,6 @@ TOL = 1e-4
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def s2(cluster8):
-    s = pw.slice((2,), axis_names=("data",))
-    yield s
-    s.release()
-
-
 def _optimizer(name):
     # AdamW turns float noise in a zero gradient (a bias before a batch norm) into a
     # full step of either sign: the models with batch norm train with SGD

@@ -25,13 +25,6 @@ import pathways_torch as pw
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def s2(cluster8):
-    s = pw.slice((2,), axis_names=("data",))
-    yield s
-    s.release()
-
-
 class Recurrent(nn.Module):
     def __init__(self, kind: str):
         super().__init__()

@@ -27,21 +27,6 @@ from trainer_helpers import assert_losses, assert_same_model, batches, mlp
 F = nn.functional
 
 
-@pytest.fixture(scope="module")
-def s2(cluster8):
-    s = pw.slice((2,), axis_names=("data",))
-    yield s
-    s.release()
-
-
-@pytest.fixture(scope="module")
-def pipe_slices(cluster8):
-    slices = [pw.slice((1,)) for _ in range(2)]
-    yield slices
-    for s in slices:
-        s.release()
-
-
 def torch_run(model, opt, data, between=None):
     """Plain torch: one step per batch, ``between(i, model, opt)`` after step i."""
     losses = []

@@ -35,21 +35,6 @@ BF16_RTOL = 2e-2
 
 # ---------------------------------------------------------------------- fixtures, helpers
 
-@pytest.fixture(scope="module")
-def s2(cluster8):
-    s = pw.slice((2,), axis_names=("data",))
-    yield s
-    s.release()
-
-
-@pytest.fixture(scope="module")
-def pipe_slices(cluster8):
-    slices = [pw.slice((1,)) for _ in range(2)]
-    yield slices
-    for s in slices:
-        s.release()
-
-
 def strategy(name):
     return {"dp": lambda: pw.DataParallel("data"),
             "fsdp": lambda: pw.FullyShardedDataParallel("data")}[name]()
@@ -485,17 +470,21 @@ def clip_model(seed=0):
                          nn.Linear(16, 4))
 
 
+def clip_kw(strat, s2, pipe_slices) -> dict:
+    """The clipping tests' layout. Under a pipeline, GPipe's two microbatches'
+    gradients (each loss / 2) sum to the whole batch's: the reference is plain torch's
+    whole-batch step."""
+    if strat == "pipeline":
+        return dict(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
+    return dict(slice=s2, parallelism=strategy(strat))
+
+
 @pytest.mark.parametrize("strat", ["dp", "fsdp", "pipeline"])
 def test_max_grad_norm_equals_clip_grad_norm(s2, pipe_slices, strat):
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)
     model, data = clip_model(), batches(4, batch=8, seed=3)
     ref, unclipped = copy.deepcopy(model), copy.deepcopy(model)
-    if strat == "pipeline":
-        # GPipe's two microbatches' gradients (each loss / 2) sum to the whole batch's:
-        # the reference is plain torch's whole-batch step
-        kw = dict(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
-    else:
-        kw = dict(slice=s2, parallelism=strategy(strat))
+    kw = clip_kw(strat, s2, pipe_slices)
     tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy,
                     max_grad_norm=MAX_NORM, **kw)
     got = floats([tr.step(x, y) for x, y in data])
@@ -515,10 +504,7 @@ def test_max_grad_value_equals_clip_grad_value(s2, pipe_slices, strat, norm):
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)
     model, data = clip_model(), batches(4, batch=8, seed=3)
     ref, unclipped = copy.deepcopy(model), copy.deepcopy(model)
-    if strat == "pipeline":
-        kw = dict(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
-    else:
-        kw = dict(slice=s2, parallelism=strategy(strat))
+    kw = clip_kw(strat, s2, pipe_slices)
     tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy,
                     max_grad_value=0.05, max_grad_norm=norm, **kw)
     got = floats([tr.step(x, y) for x, y in data])
