@@ -30,7 +30,7 @@ from .errors import (CheckpointError, ClusterShutdownError, ColocatedError, Data
                      DataLoaderError, NotInitializedError,
                      OutOfMemoryError, PathwaysError, PlacementError, ProgramError,
                      ResourceExhaustedError, RetraceWarning, ShapeError, ShardingError,
-                     StaleModuleError,
+                     StaleModuleError, SyncWarning,
                      TimeoutError, TraceError, WorkerLostError)
 from .sharding import P
 
@@ -65,6 +65,7 @@ __all__ = [
     "ShardingError", "PlacementError", "TraceError", "ShapeError", "DataDependentError",
     "ProgramError", "WorkerLostError", "TimeoutError", "OutOfMemoryError", "CheckpointError",
     "DataLoaderError", "ColocatedError", "RetraceWarning", "StaleModuleError",
+    "SyncWarning",
 ]
 
 

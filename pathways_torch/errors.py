@@ -111,6 +111,12 @@ class ColocatedError(ProgramError):
     ``program`` is the function's name and ``host`` where it ran."""
 
 
+class SyncWarning(UserWarning):
+    """A script read a ``pw.Trainer``'s module (``model.parameters()``, a weight) after
+    every step, so every step's trained values were copied back from the workers; the
+    message names the line. Filter it like any warning once that is what you want."""
+
+
 class RetraceWarning(UserWarning):
     """A program was traced (and compiled) again because a static argument, a Python
     number passed where a tensor could go, keeps changing; the message names it.

@@ -2,19 +2,23 @@
 plain torch doing the same (same seed, same data).
 
 Loading pretrained weights or a torch checkpoint after building the Trainer, nn.init,
-rolling back to the best weights, clipping a critic's weights (after ``sync_to``),
+rolling back to the best weights, clipping a critic's weights (``p.data.clamp_`` too),
 adding a param group, swapping in a new head, a forward in train mode on the client
 (BatchNorm's statistics), a Python attribute or a buffer changed between steps,
-``torch.manual_seed`` after building: the next steps train on what torch would. A
-change computed from the stale module raises ``pw.StaleModuleError``. Reads: a second
-Trainer on the same model, ``copy.deepcopy`` and pickling see the trained values. Losses and parameters within
-1e-5 (``trainer_helpers.TOL``); one module-scoped cluster (``cluster8``).
+``model.double()``, ``torch.manual_seed`` after building: the next steps train on what
+torch would. A change computed from a reference kept from before a step raises
+``pw.StaleModuleError``. Reads: a second Trainer on the same model, ``copy.deepcopy``,
+pickling, an EMA's ``update_parameters``, ``model.parameters()`` and ``model.fc.weight``
+see the trained values; reads that need none do not fetch, and a read after every step
+warns (``pw.SyncWarning``). Losses and parameters within 1e-5 (``trainer_helpers.TOL``);
+one module-scoped cluster (``cluster8``).
 """
 
 from __future__ import annotations
 
 import copy
 import io
+import pickle
 import types
 
 import pytest
@@ -22,7 +26,7 @@ import torch
 from torch import nn
 
 import pathways_torch as pw
-from trainer_helpers import assert_losses, assert_same_model, batches, mlp
+from trainer_helpers import TOL, assert_losses, assert_same_model, batches, mlp
 
 F = nn.functional
 
@@ -120,35 +124,40 @@ def test_rolling_back_to_the_best_weights_between_steps(s2):
     both(adam, between=between, n=5, s=s2)
 
 
-def test_weight_clipping_after_sync_to_equals_torch(s2):
-    """WGAN's critic clipping: change the module after trainer.sync_to() (or in a
-    torch loop, after optimizer.step()); the next step takes the clipped values."""
-    holder = {}
-
+@pytest.mark.parametrize("through_data", [False, True], ids=["no_grad", "p.data"])
+def test_weight_clipping_between_steps_equals_torch(s2, through_data):
+    """WGAN's critic clipping after each step, as its original code writes it
+    (``p.data.clamp_``, which torch's version counter does not see) and as torch
+    recommends (``torch.no_grad()``): ``model.parameters()`` hands out the trained
+    values, and the next step takes the clipped ones."""
     def clip(i, m, o):
-        if "tr" in holder and m is holder["tr"].model:
-            holder["tr"].sync_to()
-        with torch.no_grad():
-            for p in m.parameters():
-                p.clamp_(-0.05, 0.05)
+        for p in m.parameters():
+            if through_data:
+                p.data.clamp_(-0.05, 0.05)
+            else:
+                with torch.no_grad():
+                    p.clamp_(-0.05, 0.05)
 
     data = batches(4)
     ref, got = mlp(), mlp()
     want = torch_run(ref, torch.optim.RMSprop(ref.parameters(), lr=5e-3), data, clip)
-    tr = holder["tr"] = trainer(got, torch.optim.RMSprop(got.parameters(), lr=5e-3), s2)
+    tr = trainer(got, torch.optim.RMSprop(got.parameters(), lr=5e-3), s2)
     assert_losses(pw_run(tr, data, clip), want)
     tr.sync_to()
     assert_same_model(got, ref)
 
 
 def test_a_change_of_the_stale_module_raises_and_loses_nothing(s2):
+    """A write through a reference kept from before the step (not a read through the
+    module, which would sync first) changes the values of before the step."""
     data = batches(3)
     model = mlp()
     tr = trainer(model, adam(model), s2)
+    kept = model[0].weight
     tr.step(*data[0])
     trained = {n: a.torch() for n, a in tr.params.items()}
     with torch.no_grad():
-        model[0].weight.mul_(0.5)           # the values of before the step, halved
+        kept.mul_(0.5)                      # the values of before the step, halved
     with pytest.raises(pw.StaleModuleError, match=r"0\.weight.*trainer\.sync_to\(\)"):
         tr.step(*data[1])
     with pytest.raises(pw.StaleModuleError):
@@ -410,3 +419,205 @@ def test_model_bfloat16_after_building_the_trainer(s2):
     assert all(a.dtype == torch.bfloat16 for a in tr.params.values())
     assert all(a.dtype == torch.bfloat16 for st in tr.states[0].values()
                for k, a in st.items() if k != "step")
+
+
+# ---------------------------------------------------------------- reads through the module
+def test_reads_through_the_module_after_steps_see_the_trained_values(s2):
+    """An EMA of the weights (``AveragedModel.update_parameters(model)``), a logged
+    weight norm and ``parameters_to_vector`` after every step, as in a torch loop."""
+    swa = torch.optim.swa_utils
+
+    def track(log):
+        def between(i, m, o):
+            if "ema" not in log:
+                log["ema"] = swa.AveragedModel(
+                    m, multi_avg_fn=swa.get_ema_multi_avg_fn(0.9))
+            log["ema"].update_parameters(m)
+            log.setdefault("norms", []).append(m[2].weight.norm().item())
+            log.setdefault("flat", []).append(
+                torch.nn.utils.parameters_to_vector(m.parameters()).clone())
+        return between
+
+    data = batches(4)
+    ref, got = mlp(), mlp()
+    want_log, got_log = {}, {}
+    want = torch_run(ref, adam(ref), data, track(want_log))
+    assert_losses(pw_run(trainer(got, adam(got), s2), data, track(got_log)), want)
+    torch.testing.assert_close(got_log["norms"], want_log["norms"], rtol=TOL, atol=TOL)
+    for a, b in zip(got_log["flat"], want_log["flat"]):
+        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+    assert_same_model(got_log["ema"].module, want_log["ema"].module)
+    assert not torch.allclose(got_log["flat"][0], got_log["flat"][-1])   # it trained
+
+
+def test_model_double_then_float_after_steps_equals_torch(s2):
+    """``model.to(dtype)`` (``_apply``) converts the trained values, not those the
+    module held before the step."""
+    def between(i, m, o):
+        if i == 1:
+            m.double()
+            m.float()
+    both(adam, between=between, n=4, s=s2)
+
+
+def test_reads_that_need_no_fetch_do_not_sync(s2):
+    """``model.zero_grad()`` reads gradients only, and a buffer no step writes (a
+    temperature) is current in the module: neither copies the trained values back."""
+    model = Tempered()
+    tr = trainer(model, adam(model), s2)
+    x, y = batches(1)[0]
+    tr.step(x, y)
+    model.zero_grad()
+    model.tau.fill_(2.0)
+    assert tr._synced != tr._version            # still not fetched
+    model.lin.weight.norm()                     # a trained one: fetched
+    assert tr._synced == tr._version
+
+
+def test_a_module_read_after_every_step_warns_once_with_the_line(s2):
+    model = mlp()
+    tr = trainer(model, adam(model), s2)
+    x, y = batches(1)[0]
+    with pytest.warns(pw.SyncWarning, match=r"each of the last 5 steps \(at .*test_trainer_follow\.py:\d+\)") as got:
+        for _ in range(8):
+            tr.step(x, y)
+            model[0].weight.sum()
+    assert len([w for w in got if w.category is pw.SyncWarning]) == 1
+
+
+def test_reads_after_evaluate_and_after_loading_a_checkpoint_fetch(s2, tmp_path):
+    """A buffer pushed by ``evaluate`` leaves the trained parameters stale in the
+    module; ``trainer.load`` makes every tensor stale: reads fetch in both cases."""
+    model = Tempered()
+    tr = trainer(model, adam(model), s2)
+    data = batches(3)
+    tr.step(*data[0])
+    tr.save(str(tmp_path / "ckpt"))
+    saved = {n: a.torch() for n, a in tr.params.items()}
+    tr.step(*data[1])
+    model.tau.fill_(2.0)
+    tr.evaluate(*data[2])                       # pushes tau, not the weights
+    torch.testing.assert_close(model.lin.weight.detach(), tr.params["lin.weight"].torch(),
+                               rtol=0, atol=0)
+    tr.load(str(tmp_path / "ckpt"))
+    torch.testing.assert_close(model.lin.weight.detach(), saved["lin.weight"], rtol=0, atol=0)
+
+
+def test_a_head_swapped_in_after_building_syncs_on_read(s2):
+    model = mlp()
+    tr = trainer(model, adam(model), s2)
+    x, y = batches(1)[0]
+    model[4] = nn.Linear(16, 4)
+    tr.optimizer.add_param_group({"params": model[4].parameters()})
+    tr.step(x, y)
+    torch.testing.assert_close(model[4].weight.detach(), tr.params["4.weight"].torch(),
+                               rtol=0, atol=0)
+
+
+def test_the_module_pickles_with_plain_tensor_dicts(s2):
+    model = mlp()
+    tr = trainer(model, adam(model), s2)
+    tr.step(*batches(1)[0])
+    for m in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(m[0]._parameters) is dict and type(m[0]._buffers) is dict
+    del tr
+    import gc
+    gc.collect()                                # the Trainer gone: plain dicts again
+    assert type(model[0]._parameters) is dict
+
+
+# ---------------------------------------------------------------- Trainers sharing tensors
+class Stacked(nn.Module):
+    """``second(first(x))``: a GAN's generator followed by its discriminator, or a
+    shared encoder followed by one task's head."""
+
+    def __init__(self, first, second):
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def _gan(seed=0):
+    torch.manual_seed(seed)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    return gen, disc
+
+
+def test_a_gan_with_a_trainer_for_each_network_equals_torch(s2):
+    """The discriminator's Trainer trains ``disc``; the generator's trains ``gen``
+    through ``Stacked(gen, disc)``, where ``disc`` is fixed: each step sees the other
+    Trainer's last update, and the fakes come from a client forward of ``gen``."""
+    bce = F.binary_cross_entropy_with_logits
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g) + 2, torch.randn(8, 4, generator=g))
+            for _ in range(4)]
+    labels = torch.cat([torch.ones(8, 1), torch.zeros(8, 1)])
+
+    def run(gen, disc, step_d, step_g):
+        out = []
+        for real, z in data:
+            with torch.no_grad():
+                fake = gen(z)
+            out += [step_d(torch.cat([real, fake]), labels), step_g(z, torch.ones(8, 1))]
+        return out
+
+    gen, disc = _gan()
+    both_nets = Stacked(gen, disc)
+    opt_g, opt_d = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (gen, disc))
+
+    def torch_step(model, opt):
+        def step(x, y):
+            opt.zero_grad()
+            loss = bce(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.item()
+        return step
+
+    want = run(gen, disc, torch_step(disc, opt_d), torch_step(both_nets, opt_g))
+    gen2, disc2 = _gan()
+    d_tr = pw.Trainer(disc2, torch.optim.Adam(disc2.parameters(), lr=1e-2), bce, slice=s2)
+    g_tr = pw.Trainer(Stacked(gen2, disc2), torch.optim.Adam(gen2.parameters(), lr=1e-2),
+                      bce, slice=s2)
+    got = run(gen2, disc2, lambda x, y: float(d_tr.step(x, y)),
+              lambda x, y: float(g_tr.step(x, y)))
+    assert_losses(got, want)
+    assert_same_model(Stacked(gen2, disc2), both_nets)
+
+
+def test_two_trainers_training_a_shared_encoder_in_turns_equal_torch(s2):
+    """Two tasks, each with its own Trainer and optimizer over the shared encoder and
+    its head, stepped in turns: each step starts from the other's update."""
+    def make():
+        torch.manual_seed(3)
+        enc = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        return enc, nn.Linear(16, 4), nn.Linear(16, 4)
+
+    data = batches(6)
+
+    def run(step_a, step_b):
+        return [(step_a if i % 2 == 0 else step_b)(x, y) for i, (x, y) in enumerate(data)]
+
+    enc, ha, hb = make()
+    ma, mb = Stacked(enc, ha), Stacked(enc, hb)
+    oa, ob = adam(ma), adam(mb)
+
+    def torch_step(model, opt):
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.item()
+        return step
+
+    want = run(torch_step(ma, oa), torch_step(mb, ob))
+    enc2, ha2, hb2 = make()
+    ma2, mb2 = Stacked(enc2, ha2), Stacked(enc2, hb2)
+    ta, tb = trainer(ma2, adam(ma2), s2), trainer(mb2, adam(mb2), s2)
+    got = run(lambda x, y: float(ta.step(x, y)), lambda x, y: float(tb.step(x, y)))
+    assert_losses(got, want)
+    assert_same_model(nn.ModuleList([enc2, ha2, hb2]), nn.ModuleList([enc, ha, hb]))

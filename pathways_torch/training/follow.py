@@ -20,17 +20,19 @@ last agreed with the workers, and follows it:
   constants: a change traces again (``Attributes``).
 
 After a step the module holds, of what that step updated (trained parameters,
-BatchNorm's statistics), the values of before it until something syncs it (a read
-through ``state_dict()`` or a forward does; ``model.parameters()`` cannot be hooked).
-One of those changed in place then was computed from old numbers: the next step raises
-``StaleModuleError`` rather than train on them or drop the change. ``model.load_state_dict``
-is exempt (it replaces what it loads, whatever was there), and so is what no step
-writes (a frozen encoder, a GAN's discriminator inside the generator's Trainer synced
-from its own Trainer, a temperature buffer): the workers' buffer ids say which.
+BatchNorm's statistics), the values of before it until something reads it: every read
+through the module syncs first (reads.py). A tensor changed in place without such a read
+(through a reference kept from before the step, or the optimizer's ``param_groups``) was
+computed from old numbers: the next step raises ``StaleModuleError`` rather than train
+on them or drop the change. ``model.load_state_dict`` is exempt (it replaces what it
+loads, whatever was there), and so is what no step writes (a frozen encoder, a GAN's
+discriminator inside the generator's Trainer synced from its own Trainer, a temperature
+buffer): the workers' buffer ids say which.
 
-Not seen: in-place changes through ``p.data`` (``p.data.clamp_()`` bypasses torch's version
-counter; ``with torch.no_grad(): p.clamp_()`` is the form torch recommends), and
-``del module.attr``.
+A change through ``p.data`` (``p.data.clamp_()``) bypasses torch's version counter: it
+is seen for tensors the script read through the module since the last record (their
+CRC-32 changed), not through a reference kept from before. ``del module.attr`` is not
+seen.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import functools
 import types
 import warnings
 import weakref
+import zlib
 from typing import Dict, List, Set, Tuple
 
 import torch
@@ -46,7 +49,7 @@ import torch
 from ..client.array import put
 from ..errors import PathwaysError, RetraceWarning, StaleModuleError
 from ..parallel.strategies import Pipeline
-from . import optim as fopt
+from . import optim as fopt, reads
 
 
 # Trainers' watches, told by torch's global registration hooks when a module they
@@ -205,14 +208,42 @@ class Watch:
         self.tensors: List[Tuple[str, torch.Tensor, int, int]] = [
             (n, t, t._version, t.data_ptr()) for n, t in named.items()]
         self.kinds = {n: (id(t), t.dtype, tuple(t.shape)) for n, t in named.items()}
+        self.ids = frozenset(id(t) for t in named.values())
         self.module_ids = frozenset(id(m) for m in self.model.modules())
         self.layout = _optimizer_layout(self.optimizer)
         self.reshaped, self.buffers_touched = False, False
         self.loaded = set()
+        self.exposed: Set[int] = set()        # ids of tensor dicts the script read
+        self.prints: Dict[int, int] = {}      # id(tensor) -> its CRC-32 when read
+        self._stale: Tuple[int, Set[int]] = (-1, set())      # (update count, ids)
+
+    def stale_names(self, tr) -> Set[str]:
+        """Names of the module's tensors that a step updated since record (their worker
+        Arrays changed): the ones a read must fetch."""
+        now = array_ids(tr)
+        return {n for n in now if now[n] != self.arrays.get(n)}
+
+    def stale(self, tr) -> Set[int]:
+        """``stale_names`` as ids of the module's tensors, kept for the update count."""
+        if self._stale[0] != tr._version:
+            names = self.stale_names(tr)
+            self._stale = (tr._version, {id(t) for n, t, _, _ in self.tensors if n in names})
+        return self._stale[1]
+
+    def expose(self, d: dict) -> None:
+        """The script read the tensor dict ``d`` (reads.py): fingerprint its tensors
+        once, so a write through ``.data`` shows at the next step."""
+        if id(d) in self.exposed:
+            return
+        self.exposed.add(id(d))
+        for t in dict.values(d):
+            if t is not None:
+                self.prints[id(t)] = _crc(t)
 
     def written(self) -> List[str]:
         """Names of the tensors changed in place (or given new storage) since record."""
-        out = [n for n, t, v, p in self.tensors if t._version != v or t.data_ptr() != p]
+        out = [n for n, t, v, p in self.tensors if t._version != v or t.data_ptr() != p
+               or (id(t) in self.prints and _crc(t) != self.prints[id(t)])]
         if self.buffers_touched:
             out += [n for n, _ in self.model.named_buffers() if n not in out]
         return out
@@ -243,6 +274,21 @@ class Watch:
         self.loaded |= {k[len(prefix):] for k in state_dict if k.startswith(prefix)}
 
 
+_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _crc(t: torch.Tensor) -> int:
+    """A CRC-32 of the tensor's bytes (a write through ``.data`` changes it)."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    t = t.contiguous().reshape(-1)
+    view = _VIEWS.get(t.element_size())
+    if view is None or t.device.type != "cpu":
+        return 0
+    return zlib.crc32(t.view(view).numpy())
+
+
 def follow(tr, *, discard_stale: bool = False) -> None:
     """Bring ``tr``'s workers up to what the script did to its module and optimizer.
 
@@ -250,6 +296,7 @@ def follow(tr, *, discard_stale: bool = False) -> None:
     values changed in place on a stale module are left for the fetch to overwrite
     instead of raising."""
     w = tr._watch
+    _sync_sharers(tr)
     attrs = w.attributes.changed()
     if attrs:                      # a traced step holds them as constants: trace again
         w.attributes.note(attrs)
@@ -264,15 +311,17 @@ def follow(tr, *, discard_stale: bool = False) -> None:
     # stale in the module: what a step updated since (trained parameters, BatchNorm's
     # statistics), not what no step writes (a frozen parameter, a constant buffer)
     now = array_ids(tr)
+    old = w.arrays
     bad = [n for n in written if now.get(n) != w.arrays.get(n) and n not in w.loaded]
     if bad and not discard_stale:
         raise StaleModuleError(
             f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} of the module "
             f"changed in place after trainer.step, while the module held the values from "
-            "before that step (the trained values live on the workers, and reading "
-            "model.parameters() does not fetch them): the change was computed from old "
-            "numbers. Call trainer.sync_to() before changing the module (it copies the "
-            "trained values in); the next step then takes the module's values")
+            "before that step (the trained values live on the workers; reads through the "
+            "module fetch them, but this write came through a reference kept from "
+            "before, or the optimizer's param_groups): the change was computed from old "
+            "numbers. Call trainer.sync_to() (or read the tensors through the module) "
+            "before changing them; the next step then takes the module's values")
     fresh = [n for n in written if n not in bad]
     if reshaped or [f[0] for f in flags] != [f[0] for f in tr._flags]:
         relayout(tr, fresh)
@@ -281,7 +330,32 @@ def follow(tr, *, discard_stale: bool = False) -> None:
             tr._flags = flags
             tr._programs.clear()
         push(tr, fresh)
-    w.record(array_ids(tr))        # (``bad`` ones: the fetch that follows overwrites them)
+    # what stays stale in the module (not put from it here) stays marked so; ``bad``
+    # ones are overwritten by the fetch that follows
+    w.record({n: old.get(n) if i == now.get(n) and i != old.get(n) else i
+              for n, i in array_ids(tr).items()})
+
+
+def _sync_sharers(tr) -> None:
+    """Other live Trainers that updated tensors of this one's module since they last
+    synced (a GAN's discriminator, trained by its own Trainer and held fixed in the
+    generator's) copy them into the module first: this step then takes them, as the
+    generator's step in a torch loop sees the discriminator's last update."""
+    if id(tr) in _SHARING:
+        return
+    _SHARING.add(id(tr))
+    try:
+        for other in list(_WATCHES):
+            t = other.owner()
+            if t is None or id(t) in _SHARING or t._synced == t._version or t._closed:
+                continue
+            if other.stale(t) & tr._watch.ids:
+                t._sync_if_stale()
+    finally:
+        _SHARING.discard(id(tr))
+
+
+_SHARING: Set[int] = set()     # Trainers in _sync_sharers (two that share, in turn)
 
 
 def array_ids(tr) -> Dict[str, int]:
@@ -289,9 +363,11 @@ def array_ids(tr) -> Dict[str, int]:
     return {n: a._id for d in (tr.replicas[0], tr.fixed[0]) for n, a in d.items()}
 
 
-def record(tr) -> None:
-    """The Trainer's module and workers agree now (built, synced, loaded)."""
-    tr._watch.record(array_ids(tr))
+def record(tr, *, stale: bool = False) -> None:
+    """The Trainer's module and workers agree now (built, synced), or, with ``stale``,
+    the workers hold other values of every tensor (a checkpoint loaded): a read
+    fetches them, and a change of the module's old values raises."""
+    tr._watch.record({} if stale else array_ids(tr))
 
 
 def push(tr, names: List[str]) -> None:
@@ -386,6 +462,7 @@ def relayout(tr, fresh: List[str]) -> None:
     tr._flags = _flags(held)
     tr._modules = list(tr.model.modules())
     tr._modes = modes(tr._modules)
+    reads.cover(tr)               # new submodules: their reads sync too
     tr._programs.clear()          # their update names the trained parameters
     w.attributes.record()         # of the modules there are now
 

@@ -10,12 +10,23 @@ the last sync (one fetch then, none otherwise):
   (``torch.save(model)``): a marker at the front of each module's ``__dict__``, which
   copy and pickle reach before the parameters;
 - building another Trainer on the same parameters (a linear probe, then a fine-tune
-  with a new optimizer): the new one syncs the old first.
+  with a new optimizer): the new one syncs the old first;
+- any other read of the module's tensors: ``model.parameters()``, ``named_buffers()``,
+  ``model.fc.weight``, ``model.to(...)``/``model.double()``, an EMA's
+  ``update_parameters(model)``, ``parameters_to_vector``: each module's ``_parameters``
+  and ``_buffers`` dicts are a ``dict`` subclass whose reads sync first (``Synced``).
+  ``model.zero_grad()`` is let through: it reads gradients only.
 
-Reads of ``model.parameters()`` or ``model.fc.weight`` cannot be seen: call
-``trainer.sync_to()`` before them. None of this outlives the Trainer (weak references),
-and none of it is pickled or copied with the module: the hook dicts pickle without the
-Trainer's hooks and the marker pickles as ``None``.
+Reads from the Trainer's own methods (``internal``) and from its traces are not the
+script's and never sync. A tensor handed out by such a read may then be written in a way
+torch's version counter does not see (``p.data.clamp_()``, the WGAN critic's clipping):
+the Trainer takes a CRC-32 of each handed-out tensor (4 GB/s here) and compares it before
+the next step (follow.py). A script that reads after every step fetches every step; at
+the ``WARN_AT``-th step in a row a ``pw.SyncWarning`` names the line.
+
+None of this outlives the Trainer (weak references), and none of it is pickled or copied
+with the module: the hook dicts pickle without the Trainer's hooks, the tensor dicts as
+plain dicts and the marker as ``None``.
 
 Example::
 
@@ -28,14 +39,37 @@ Example::
 from __future__ import annotations
 
 import collections
+import functools
+import os
+import sys
+import warnings
 import weakref
-from typing import Any, List
+from typing import Any, Callable, List
 
 import torch
 
+from ..errors import SyncWarning
 from . import optim as fopt
 
 MARKER = "_pathways_sync"
+WARN_AT = 5        # steps in a row after which a read synced: SyncWarning
+
+_ALL = object()      # a read of every value of a tensor dict
+
+# > 0 while a Trainer's own method runs: its reads of the module are not the script's
+_QUIET = [0]
+
+
+def internal(fn: Callable) -> Callable:
+    """Mark a Trainer method whose reads of the module are its own (no sync)."""
+    @functools.wraps(fn)
+    def quietly(*args, **kwargs):
+        _QUIET[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _QUIET[0] -= 1
+    return quietly
 
 
 class _Hook:
@@ -119,10 +153,118 @@ class _CopySync:
         return (type(None), ())
 
 
+class Synced(dict):
+    """A watched module's ``_parameters`` or ``_buffers``: reading a value (what
+    ``parameters()``, ``named_buffers()``, ``module.weight``, ``_apply`` and
+    ``state_dict`` do) syncs the Trainers that train it first. Pickles and copies as a
+    plain ``dict``."""
+
+    __slots__ = ("refs",)
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.refs: List = []
+
+    def _read(self, key=_ALL) -> None:
+        if _QUIET[0]:
+            return
+        for r in self.refs:
+            t = r()
+            if t is not None:
+                _on_read(t, self, key)
+
+    def __getitem__(self, key):
+        if self.refs:
+            self._read(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        if self.refs:
+            self._read(key)
+        return dict.get(self, key, default)
+
+    def items(self):
+        if self.refs:
+            self._read()
+        return dict.items(self)
+
+    def values(self):
+        if self.refs:
+            self._read()
+        return dict.values(self)
+
+    def __reduce__(self):
+        return (dict, (), None, None, iter(dict.items(self)))
+
+
+_GRAD_ONLY = frozenset({torch.nn.Module.zero_grad.__code__})
+
+
+def _grad_only() -> bool:
+    """Whether the read comes from ``Module.zero_grad`` (it reads gradients only)."""
+    f = sys._getframe(3)
+    for _ in range(6):
+        if f is None:
+            return False
+        if f.f_code in _GRAD_ONLY:
+            return True
+        f = f.f_back
+    return False
+
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _script_line() -> str:
+    """The first frame outside torch and pathways_torch: the script's line."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = os.path.abspath(f.f_code.co_filename)
+        if not name.startswith((_HERE, _TORCH)):
+            return f"{f.f_code.co_filename}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+def _on_read(t: Any, d: Synced, key) -> None:
+    """The script reads ``d[key]`` (or all of ``d``): if a step updated one of those
+    tensors since the module last agreed with the workers, sync ``t`` first; then
+    fingerprint them (a write the version counter misses shows at the next step)."""
+    if t._closed or torch.compiler.is_compiling():
+        return
+    w = t._watch
+    if t._synced != t._version:
+        stale = w.stale(t)
+        if key is _ALL:
+            hit = any(id(v) in stale for v in dict.values(d))
+        else:
+            hit = id(dict.get(d, key)) in stale
+        if hit and not _grad_only():
+            t._read_syncs = t._read_syncs + 1 if t._read_synced == t._version - 1 else 1
+            t._read_synced = t._version
+            if t._read_syncs == WARN_AT:
+                _warn_every_step(w, stale)
+            t._sync_if_stale()
+    w.expose(d)
+
+
+def _warn_every_step(w: Any, stale) -> None:
+    nbytes = sum(x.numel() * x.element_size() for _, x, _, _ in w.tensors if id(x) in stale)
+    warnings.warn(
+        f"pw.Trainer: the module's trained tensors were read after each of the last "
+        f"{WARN_AT} steps (at {_script_line()}): each read after a step copies the "
+        f"trained values ({nbytes / 2**20:.2f} MiB) from the workers, as "
+        "trainer.sync_to() does, so the loop waits for every step to finish. Read them "
+        "less often (a log line every N steps), or compute what you need on the workers "
+        "(a metric in loss_fn's result)", SyncWarning, stacklevel=2)
+
+
 def install(trainer: Any) -> None:
     """Sync ``trainer`` before the reads listed above; removed when it is dropped."""
     ref = weakref.ref(trainer)
     model = trainer.model
+    trainer._read_syncs, trainer._read_synced = 0, -1
 
     def forward(t, owner, *_args, **_kwargs):
         if not torch.compiler.is_compiling():
@@ -146,17 +288,34 @@ def install(trainer: Any) -> None:
     for o in fopt.members(trainer.optimizer):
         _own_hooks(o, "_optimizer_state_dict_pre_hooks")
         handles.append(o.register_state_dict_pre_hook(_Hook(sync, ref)))
-    marked = []
-    for m in model.modules():
+    trainer._marked, trainer._self_ref = [], ref
+    cover(trainer)
+    weakref.finalize(trainer, _remove, handles, trainer._marked, ref)
+
+
+_TENSOR_DICTS = ("_parameters", "_buffers")
+
+
+def cover(trainer: Any) -> None:
+    """Watch every module of ``trainer.model`` as it is now (again after a new
+    submodule is assigned): the copy marker and the tensor dicts."""
+    ref = trainer._self_ref
+    for m in trainer.model.modules():
         d = m.__dict__
-        if not isinstance(d.get(MARKER), _CopySync):
+        marker = d.get(MARKER)
+        if not isinstance(marker, _CopySync):
             rest = [(k, v) for k, v in d.items() if k != MARKER]
             d.clear()
-            d[MARKER] = _CopySync()
+            d[MARKER] = marker = _CopySync()
             d.update(rest)
-        d[MARKER].refs.append(ref)
-        marked.append(weakref.ref(m))
-    weakref.finalize(trainer, _remove, handles, marked, ref)
+        if any(r is ref for r in marker.refs):
+            continue
+        marker.refs.append(ref)
+        for attr in _TENSOR_DICTS:
+            if not isinstance(d[attr], Synced):
+                d[attr] = Synced(d[attr])
+            d[attr].refs.append(ref)
+        trainer._marked.append(weakref.ref(m))
 
 
 def _remove(handles, marked: List, ref) -> None:
@@ -169,6 +328,12 @@ def _remove(handles, marked: List, ref) -> None:
             marker.refs = [x for x in marker.refs if x is not ref]
             if not marker.refs:
                 del m.__dict__[MARKER]
+        for attr in _TENSOR_DICTS if m is not None else ():
+            d = m.__dict__.get(attr)
+            if isinstance(d, Synced):
+                d.refs = [x for x in d.refs if x is not ref]
+                if not d.refs:
+                    m.__dict__[attr] = dict(d)
 
 
 def sync_others(model: torch.nn.Module, watches) -> None:

@@ -81,6 +81,7 @@ class Trainer:
     same run, and checkpoints hold the stream's position.
     """
 
+    @reads.internal
     def __init__(self, model: torch.nn.Module, optimizer: Any,
                  loss_fn: Optional[Callable] = None, *, slice=None, parallelism=None,
                  max_grad_norm: Optional[float] = None,
@@ -333,6 +334,7 @@ class Trainer:
             self.states[r][n].update(st)
 
     # ------------------------------------------------------------------ steps
+    @reads.internal
     def step(self, inputs: Any, targets: Any = None) -> Any:
         """Dispatch one training step; returns the loss (a ``pw.Array``) at once, or,
         when ``loss_fn`` returns metrics beside the loss (a tuple whose first element is
@@ -391,6 +393,7 @@ class Trainer:
             self.scheduler.step()
         return loss
 
+    @reads.internal
     def evaluate(self, inputs: Any, targets: Any = None) -> Any:
         """The loss on a batch in eval mode (no dropout, BatchNorm's running
         statistics, no gradients, no update), as a ``pw.Array`` at once (or loss_fn's
@@ -408,6 +411,7 @@ class Trainer:
         finally:
             follow.after_call(self)
 
+    @reads.internal
     def predict(self, inputs: Any) -> Any:
         """The model's outputs on a batch in eval mode, as ``pw.Array``s in the
         model's output structure (a tensor, a tuple, a dict, a ModelOutput)."""
@@ -423,12 +427,17 @@ class Trainer:
             follow.after_call(self)
 
     # ------------------------------------------------------------------ state
+    @reads.internal
     def state_dict(self) -> Dict[str, Any]:
         """Parameters, buffers and optimizer state, fetched to the client as tensors."""
         follow.follow(self)
+        return self._state()
+
+    def _state(self, only=None) -> Dict[str, Any]:
+        """``state_dict()``, with the module's tensors limited to the names ``only``."""
         return {
-            "model": {**{n: a.torch() for n, a in self.replicas[0].items()},
-                      **{n: a.torch() for n, a in self.fixed[0].items()}},
+            "model": {n: a.torch() for n, a in {**self.replicas[0], **self.fixed[0]}.items()
+                      if only is None or n in only},
             "optim": {n: {k: a.torch() for k, a in st.items()}      # frozen ones too
                       for n, st in {**self._parked[0], **self.states[0]}.items()},
             "steps": torch.tensor(self.steps),
@@ -446,6 +455,7 @@ class Trainer:
         base, position = (int(v) for v in t.tolist())
         self.seeds.restore(base, position)
 
+    @reads.internal
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Put a ``state_dict()`` back on the slices (layout as the strategy says)."""
         follow.follow(self, discard_stale=True)     # the layout the script made
@@ -468,13 +478,14 @@ class Trainer:
         self.steps = int(sd["steps"])
         if "rng" in sd:
             self._set_rng(sd["rng"])
-        follow.record(self)         # what the script did to the module before: replaced
+        follow.record(self, stale=True)    # the module's old values: replaced (a read fetches)
         if self._book is not None and "numbers" in sd:
             self._book.mirror = copy.deepcopy(sd["numbers"])
             first = self.slices[0]
             self._book.group_tensors = {gk: put(t, first, P())
                                         for gk, t in sd.get("group_tensors", {}).items()}
 
+    @reads.internal
     def sync_to(self, model: Optional[torch.nn.Module] = None) -> torch.nn.Module:
         """Copy the trained parameters and buffers back into ``model`` (default: the
         Trainer's own) and the optimizer state into the torch optimizer, so that
@@ -484,12 +495,18 @@ class Trainer:
         # change of a stale module (StaleModuleError at a step) is overwritten here
         follow.follow(self, discard_stale=model is self.model)
         version = self._version
-        sd = self.state_dict()
+        # the Trainer's own module gets what a step updated since it last agreed with
+        # the workers; what no step writes (a frozen encoder, a GAN's discriminator
+        # trained by another Trainer) is as current there as here
+        only = self._watch.stale_names(self) if model is self.model else None
+        sd = self._state(only)
         # matched by name as if nothing were torch.compile'd (a compiled block adds
         # "_orig_mod."), so a compiled model syncs to a plain copy and back
         trained = {_plain(n): t for n, t in sd["model"].items()}
         ours = [(_plain(n), t) for n, t in
                 list(model.named_parameters()) + list(model.named_buffers())]
+        if only is not None:
+            ours = [(n, t) for n, t in ours if n in trained]
         missing = [n for n, _ in ours if n not in trained]
         unexpected = sorted(set(trained) - {n for n, _ in ours})
         wrong = [f"{n}: {list(t.shape)} here, {list(trained[n].shape)} trained"
@@ -516,6 +533,7 @@ class Trainer:
             follow.record(self)
         return model
 
+    @reads.internal
     def _sync_if_stale(self) -> None:
         """What a read of the module or the optimizer (``state_dict()``, a forward on
         the CPU) sees: the trained values, as in a torch loop (see reads.py)."""
@@ -524,6 +542,7 @@ class Trainer:
             follow.follow(self)     # a change of the stale module raises, not lost
             self.sync_to()
 
+    @reads.internal
     def _sync_before_shutdown(self) -> None:
         """``pw.shutdown()`` ends the workers that hold the trained values: copy them
         into the module first, so a script that saves after shutting down saves them."""
@@ -538,6 +557,7 @@ class Trainer:
         finally:
             self._closed = True
 
+    @reads.internal
     def save(self, path: str) -> None:
         """Write the state in the torch.distributed.checkpoint format (a directory).
 
@@ -574,6 +594,7 @@ class Trainer:
         with open(os.path.join(path, "trainer.json"), "w") as f:
             json.dump(side, f)
 
+    @reads.internal
     def load(self, path: str) -> None:
         """Read a checkpoint written by ``save`` (or by torch.distributed.checkpoint with
         the same keys); the executors read their parts from the files directly."""
@@ -651,7 +672,7 @@ class Trainer:
                 g.update(held)
         if self.scheduler is not None and side.get("scheduler") is not None:
             self.scheduler.load_state_dict(side["scheduler"])
-        follow.record(self)         # what the script did to the module before: replaced
+        follow.record(self, stale=True)    # the module's old values: replaced (a read fetches)
 
     # ------------------------------------------------------------------ elastic training
     def fit(self, data: Any, *, steps: Optional[int] = None,
