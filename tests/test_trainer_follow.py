@@ -621,3 +621,27 @@ def test_two_trainers_training_a_shared_encoder_in_turns_equal_torch(s2):
     got = run(lambda x, y: float(ta.step(x, y)), lambda x, y: float(tb.step(x, y)))
     assert_losses(got, want)
     assert_same_model(nn.ModuleList([enc2, ha2, hb2]), nn.ModuleList([enc, ha, hb]))
+
+
+def test_a_parameter_resized_in_place_after_steps_fails_as_torch_does(s2):
+    """``p.data = bigger`` (Hugging Face's ``resize_token_embeddings``) after the
+    optimizer made state for ``p``: torch's next step fails on the state's shape, and
+    so does the Trainer's, naming the parameter and what to do."""
+    def grow(m):
+        m[4].weight.data = torch.randn(6, 16)
+        m[4].bias.data = torch.randn(6)
+
+    x, y = batches(1)[0]
+    ref = mlp()
+    opt = adam(ref)
+    torch_run(ref, opt, [(x, y)])
+    grow(ref)
+    with pytest.raises(RuntimeError, match="size"):
+        torch_run(ref, opt, [(x, y)])
+    model = mlp()
+    tr = trainer(model, adam(model), s2)
+    tr.step(x, y)
+    grow(model)
+    with pytest.raises(pw.PathwaysError, match=r"4\.weight is \[6, 16\].*exp_avg \[4, 16\]"
+                                               r".*Build a new optimizer"):
+        tr.step(x, y)

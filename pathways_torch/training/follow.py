@@ -413,6 +413,9 @@ def relayout(tr, fresh: List[str]) -> None:
     if not now:
         raise PathwaysError("no parameter of the optimizer requires grad any more: "
                             "use trainer.evaluate / predict, or unfreeze one")
+    replacing_state = layout_changed and _states_replaced(w, tr.optimizer)
+    for n in now if not replacing_state else ():
+        check_state_shapes(n, held[n], {**tr._parked[0].get(n, {}), **tr.states[0].get(n, {})})
     if isinstance(tr.optimizer, fopt.Chain):
         tr.optimizer.refresh()
     tr._held = held
@@ -424,7 +427,7 @@ def relayout(tr, fresh: List[str]) -> None:
     tr.opt = dict(fopt.describe(tr.optimizer, tr._dynamic), book=tr._book)
     tr._place(tr.slices)
     # the optimizer's state replaces the workers' where the script replaced it
-    keep_state = set() if layout_changed and _states_replaced(w, tr.optimizer) else same
+    keep_state = set() if replacing_state else same
     if keep_state is not same:
         tr.steps = next((int(st["step"]) for st in tr.optimizer.state.values()
                          if "step" in st), tr.steps)
@@ -465,6 +468,21 @@ def relayout(tr, fresh: List[str]) -> None:
     reads.cover(tr)               # new submodules: their reads sync too
     tr._programs.clear()          # their update names the trained parameters
     w.attributes.record()         # of the modules there are now
+
+
+def check_state_shapes(name: str, p: torch.Tensor, state) -> None:
+    """The optimizer's state of ``p`` (tensors or the workers' Arrays) has ``p``'s
+    shape; torch's next step would fail otherwise (a parameter resized in place, as
+    Hugging Face's ``resize_token_embeddings`` does), and so does this."""
+    wrong = [f"{k} {list(v.shape)}" for k, v in state.items()
+             if hasattr(v, "shape") and len(v.shape) and tuple(v.shape) != tuple(p.shape)]
+    if wrong:
+        raise PathwaysError(
+            f"{name} is {list(p.shape)} but the optimizer's state for it is "
+            f"{', '.join(wrong)}: the parameter changed shape after the optimizer "
+            "stepped it (Hugging Face's resize_token_embeddings resizes in place), and "
+            "torch's next optimizer.step() would fail the same way. Build a new optimizer "
+            "(and pw.Trainer) after resizing, or resize before building them")
 
 
 def _states_replaced(w: Watch, optimizer) -> bool:

@@ -249,6 +249,7 @@ class Trainer:
                                        float(self.optimizer.param_groups[gi]["lr"]))
             for n, st in zip(names, fresh):
                 existing = self.optimizer.state.get(self._held[n], {})
+                follow.check_state_shapes(n, self._held[n], existing)
                 out[n] = ({k: v.detach().clone() for k, v in existing.items()
                            if isinstance(v, torch.Tensor)} if existing else st)
                 held = {k: v for k, v in existing.items()
