@@ -304,6 +304,9 @@ def follow(tr, *, discard_stale: bool = False) -> None:
         tr._programs.clear()
         w.attributes.traces = 0
     written = w.written()
+    # the fingerprints of what the script read were compared once; a read before the
+    # next step takes them again (keeping them would cost a pass a step)
+    w.prints, w.exposed = {}, set()
     reshaped = w.structure_changed() or (bool(written) and w.retyped(written))
     flags = _flags(tr._held)
     if not (written or reshaped or flags != tr._flags):

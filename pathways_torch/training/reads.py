@@ -166,16 +166,21 @@ class Synced(dict):
         self.refs: List = []
 
     def _read(self, key=_ALL) -> None:
-        if _QUIET[0]:
+        # under torch.compile the module's forward pre-hook syncs, outside the graph
+        if _QUIET[0] or torch.compiler.is_dynamo_compiling():
             return
         for r in self.refs:
             t = r()
             if t is not None:
                 _on_read(t, self, key)
 
-    def __getitem__(self, key):
-        if self.refs:
-            self._read(key)
+    def __getitem__(self, key):       # module.weight: kept short, a forward's path
+        if self.refs and not _QUIET[0] and not torch.compiler.is_dynamo_compiling():
+            for r in self.refs:
+                t = r()
+                if t is not None and (t._synced != t._version
+                                      or id(self) not in t._watch.exposed):
+                    _on_read(t, self, key)
         return dict.__getitem__(self, key)
 
     def get(self, key, default=None):
@@ -231,9 +236,11 @@ def _on_read(t: Any, d: Synced, key) -> None:
     """The script reads ``d[key]`` (or all of ``d``): if a step updated one of those
     tensors since the module last agreed with the workers, sync ``t`` first; then
     fingerprint them (a write the version counter misses shows at the next step)."""
+    w = t._watch
+    if t._synced == t._version and id(d) in w.exposed:
+        return                          # read since the last sync and fingerprinted
     if t._closed or torch.compiler.is_compiling():
         return
-    w = t._watch
     if t._synced != t._version:
         stale = w.stale(t)
         if key is _ALL:
