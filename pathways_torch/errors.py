@@ -15,6 +15,9 @@ Example::
 from __future__ import annotations
 
 import builtins
+import os
+import sys
+import warnings
 
 __all__ = [
     "PathwaysError", "DataLoaderError", "ColocatedError",
@@ -124,3 +127,18 @@ class RetraceWarning(UserWarning):
 
         warnings.simplefilter("ignore", pw.RetraceWarning)
     """
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn_at_caller(message: str, category: type) -> None:
+    """``warnings.warn`` at the first frame outside pathways_torch and torch: the
+    script's line, however deep in the runtime the warning is found."""
+    torch = sys.modules.get("torch")
+    inside = (_PACKAGE,) + ((os.path.dirname(os.path.abspath(torch.__file__)),)
+                            if torch is not None else ())
+    f, level = sys._getframe(1), 2
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(inside):
+        f, level = f.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if f is not None else 2)

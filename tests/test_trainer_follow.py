@@ -482,11 +482,12 @@ def test_a_module_read_after_every_step_warns_once_with_the_line(s2):
     model = mlp()
     tr = trainer(model, adam(model), s2)
     x, y = batches(1)[0]
-    with pytest.warns(pw.SyncWarning, match=r"each of the last 5 steps \(at .*test_trainer_follow\.py:\d+\)") as got:
+    with pytest.warns(pw.SyncWarning, match=r"each of the last 5 steps") as got:
         for _ in range(8):
             tr.step(x, y)
             model[0].weight.sum()
-    assert len([w for w in got if w.category is pw.SyncWarning]) == 1
+    ours = [w for w in got if w.category is pw.SyncWarning]
+    assert len(ours) == 1 and ours[0].filename == __file__      # the reading line
 
 
 def test_reads_after_evaluate_and_after_loading_a_checkpoint_fetch(s2, tmp_path):
@@ -649,3 +650,38 @@ def test_a_parameter_resized_in_place_after_steps_fails_as_torch_does(s2):
     with pytest.raises(pw.PathwaysError, match=r"4\.weight is \[6, 16\].*exp_avg \[4, 16\]"
                                                r".*Build a new optimizer"):
         tr.step(x, y)
+
+
+def test_a_tensor_kept_by_a_hook_or_a_forward_while_traced_warns(s2):
+    """A forward hook appending activations, one keeping a statistic, and a forward
+    storing its last output on the module run once, while the step is traced: what
+    they keep holds no numbers, and the Trainer says where, and what to do instead
+    (the statistic returned by loss_fn beside the loss equals torch's)."""
+    class Keeps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            self.last = self.net(x)
+            return self.last
+
+    acts, stats = [], {}
+    model = Keeps()
+    model.net[1].register_forward_hook(lambda m, i, o: acts.append(o.detach()))
+    model.net[3].register_forward_hook(lambda m, i, o: stats.__setitem__("mean", o.mean()))
+    tr = pw.Trainer(model, adam(model), lambda out, y: (F.cross_entropy(out, y),
+                                                       {"mean": stats["mean"]}), slice=s2)
+    x, y = batches(1)[0]
+    with pytest.warns(UserWarning) as got:
+        loss, metrics = tr.step(x, y)
+    messages = [str(w.message) for w in got if "stored while the step" in str(w.message)]
+    assert any(m.startswith("pw.Trainer: acts[0] holds") and "forward hook" in m and
+               "model.net.1" in m and "return it from loss_fn" in m for m in messages)
+    assert any(m.startswith("pw.Trainer: model.last holds") for m in messages)
+    assert any(m.startswith("pw.Trainer: stats['mean'] holds") for m in messages)
+    assert all(w.filename == __file__ for w in got if "stored while" in str(w.message))
+    ref = mlp()
+    with torch.no_grad():
+        h = ref[3](ref[2](ref[1](ref[0](x))))
+    torch.testing.assert_close(float(metrics["mean"]), h.mean().item(), rtol=TOL, atol=TOL)

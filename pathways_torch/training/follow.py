@@ -49,7 +49,7 @@ import torch
 from ..client.array import put
 from ..errors import PathwaysError, RetraceWarning, StaleModuleError
 from ..parallel.strategies import Pipeline
-from . import optim as fopt, reads
+from . import leaks, optim as fopt, reads
 
 
 # Trainers' watches, told by torch's global registration hooks when a module they
@@ -165,12 +165,14 @@ def _traces(tr) -> int:
 
 def after_call(tr) -> None:
     """After a step's programs ran: a trace that happened may have set attributes (a
-    forward caching a flag); those values are the ones the programs now hold."""
+    forward caching a flag); those values are the ones the programs now hold. And it
+    may have left traced tensors where the script keeps values (leaks.py)."""
     a = tr._watch.attributes
     n = _traces(tr)
     if n != a.traces:
         a.record()
         a.traces = n
+        leaks.check(tr)           # a traced tensor kept by the script's Python
 
 
 def _tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ script's and never sync. A tensor handed out by such a read may then be written 
 torch's version counter does not see (``p.data.clamp_()``, the WGAN critic's clipping):
 the Trainer takes a CRC-32 of each handed-out tensor (4 GB/s here) and compares it before
 the next step (follow.py). A script that reads after every step fetches every step; at
-the ``WARN_AT``-th step in a row a ``pw.SyncWarning`` names the line.
+the ``WARN_AT``-th step in a row a ``pw.SyncWarning`` points at the line.
 
 None of this outlives the Trainer (weak references), and none of it is pickled or copied
 with the module: the hook dicts pickle without the Trainer's hooks, the tensor dicts as
@@ -40,15 +40,13 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import sys
-import warnings
 import weakref
 from typing import Any, Callable, List
 
 import torch
 
-from ..errors import SyncWarning
+from ..errors import SyncWarning, warn_at_caller
 from . import optim as fopt
 
 MARKER = "_pathways_sync"
@@ -217,21 +215,6 @@ def _grad_only() -> bool:
     return False
 
 
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _script_line() -> str:
-    """The first frame outside torch and pathways_torch: the script's line."""
-    f = sys._getframe(1)
-    while f is not None:
-        name = os.path.abspath(f.f_code.co_filename)
-        if not name.startswith((_HERE, _TORCH)):
-            return f"{f.f_code.co_filename}:{f.f_lineno}"
-        f = f.f_back
-    return "?"
-
-
 def _on_read(t: Any, d: Synced, key) -> None:
     """The script reads ``d[key]`` (or all of ``d``): if a step updated one of those
     tensors since the module last agreed with the workers, sync ``t`` first; then
@@ -258,13 +241,13 @@ def _on_read(t: Any, d: Synced, key) -> None:
 
 def _warn_every_step(w: Any, stale) -> None:
     nbytes = sum(x.numel() * x.element_size() for _, x, _, _ in w.tensors if id(x) in stale)
-    warnings.warn(
+    warn_at_caller(
         f"pw.Trainer: the module's trained tensors were read after each of the last "
-        f"{WARN_AT} steps (at {_script_line()}): each read after a step copies the "
+        f"{WARN_AT} steps: each read after a step copies the "
         f"trained values ({nbytes / 2**20:.2f} MiB) from the workers, as "
         "trainer.sync_to() does, so the loop waits for every step to finish. Read them "
         "less often (a log line every N steps), or compute what you need on the workers "
-        "(a metric in loss_fn's result)", SyncWarning, stacklevel=2)
+        "(a metric in loss_fn's result)", SyncWarning)
 
 
 def install(trainer: Any) -> None:
