@@ -685,3 +685,47 @@ def test_a_tensor_kept_by_a_hook_or_a_forward_while_traced_warns(s2):
     with torch.no_grad():
         h = ref[3](ref[2](ref[1](ref[0](x))))
     torch.testing.assert_close(float(metrics["mean"]), h.mean().item(), rtol=TOL, atol=TOL)
+
+
+def test_a_read_of_the_module_fetches_no_optimizer_state_and_one_of_the_state_does(s2):
+    """A module read (an EMA, a client forward) needs the parameters only, a third of
+    the bytes under Adam; ``optimizer.state[p]`` read directly (a logger of Adam's
+    moments) gets the trained state, equal to torch's."""
+    data = batches(3)
+    ref, model = mlp(), mlp()
+    ref_opt = adam(ref)
+    torch_run(ref, ref_opt, data)
+    tr = trainer(model, adam(model), s2)
+    pw_run(tr, data)
+    model[0].weight.sum()
+    assert tr._synced == tr._version and tr._opt_synced != tr._version
+    got = tr.optimizer.state[model[0].weight]["exp_avg_sq"]
+    want = ref_opt.state[ref[0].weight]["exp_avg_sq"]
+    torch.testing.assert_close(got, want, rtol=TOL, atol=1e-8)
+    assert tr._opt_synced == tr._version
+    assert int(tr.optimizer.state[model[4].bias]["step"]) == 3
+    assert type(pickle.loads(pickle.dumps(tr.optimizer.state_dict()))["state"]) is dict
+
+
+def test_a_torch_loops_leftovers_after_trainer_step(s2):
+    """What a loop ported from torch keeps: clip_grad_norm_ after the step (warns that
+    it clips nothing, fetches nothing), model.zero_grad(), loss.detach().cpu().item()
+    (the loss), and loss.backward() (a TypeError saying what to remove)."""
+    model = mlp()
+    tr = trainer(model, adam(model), s2)
+    ref = mlp()
+    data = batches(3)
+    want = torch_run(ref, adam(ref), data)
+    got = []
+    with pytest.warns(UserWarning, match=r"clip_grad_norm_ on the module after "
+                                         r"trainer\.step clips nothing.*max_grad_norm=") as w:
+        for x, y in data:
+            loss = tr.step(x, y)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            model.zero_grad()
+            got.append(loss.detach().cpu().item())
+    assert len([x for x in w if "clips nothing" in str(x.message)]) == 1
+    assert tr._synced != tr._version           # neither read fetched the weights
+    assert_losses(got, want)
+    with pytest.raises(TypeError, match=r"remove loss\.backward\(\) and optimizer\.step\(\)"):
+        loss.backward()

@@ -90,7 +90,23 @@ class Array:
         return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
     def item(self, timeout: Optional[float] = None):
+        """Block until the value exists; return its one element as a Python number."""
         return self.torch(timeout).item()
+
+    def cpu(self) -> torch.Tensor:
+        """``torch()``: what ``loss.detach().cpu()`` in a torch loop asks for."""
+        return self.torch()
+
+    def detach(self) -> "Array":
+        """This Array: it carries no autograd graph (``loss.detach().item()``)."""
+        return self
+
+    def backward(self, *args, **kwargs):
+        raise TypeError(
+            "pw.Array has no backward(): trainer.step already computed the gradients "
+            "and applied the optimizer's update on the workers; remove loss.backward() "
+            "and optimizer.step() from the loop (inside a @pw.program, call backward "
+            "on the torch tensors it traces)")
 
     def __float__(self) -> float:
         return float(self.item())

@@ -355,7 +355,7 @@ def _sync_sharers(tr) -> None:
             if t is None or id(t) in _SHARING or t._synced == t._version or t._closed:
                 continue
             if other.stale(t) & tr._watch.ids:
-                t._sync_if_stale()
+                t._sync_if_stale(optimizer=False)
     finally:
         _SHARING.discard(id(tr))
 
@@ -471,6 +471,7 @@ def relayout(tr, fresh: List[str]) -> None:
     tr._modules = list(tr.model.modules())
     tr._modes = modes(tr._modules)
     reads.cover(tr)               # new submodules: their reads sync too
+    reads.cover_state(tr)         # a state dict loaded into the optimizer: likewise
     tr._programs.clear()          # their update names the trained parameters
     w.attributes.record()         # of the modules there are now
 

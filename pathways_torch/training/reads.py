@@ -15,7 +15,9 @@ the last sync (one fetch then, none otherwise):
   ``model.fc.weight``, ``model.to(...)``/``model.double()``, an EMA's
   ``update_parameters(model)``, ``parameters_to_vector``: each module's ``_parameters``
   and ``_buffers`` dicts are a ``dict`` subclass whose reads sync first (``Synced``).
-  ``model.zero_grad()`` is let through: it reads gradients only.
+  ``model.zero_grad()`` is let through: it reads gradients only; so is
+  ``clip_grad_norm_(model.parameters())`` after a step, with a warning that it clips
+  nothing (``max_grad_norm=`` does, inside the step).
 
 Reads from the Trainer's own methods (``internal``) and from its traces are not the
 script's and never sync. A tensor handed out by such a read may then be written in a way
@@ -137,7 +139,7 @@ class _CopySync:
         for r in list(self.refs):
             t = r()
             if t is not None:
-                t._sync_if_stale()
+                t._sync_if_stale(optimizer=False)
 
     def __deepcopy__(self, memo):
         self._sync()
@@ -200,19 +202,93 @@ class Synced(dict):
         return (dict, (), None, None, iter(dict.items(self)))
 
 
-_GRAD_ONLY = frozenset({torch.nn.Module.zero_grad.__code__})
+class SyncedState(collections.defaultdict):
+    """A watched optimizer's ``state`` (parameter -> its state): reading it
+    (``optimizer.state[p]["exp_avg"]``, a logger of Adam's step count) syncs the
+    Trainer's optimizer state first. Pickles and copies as a plain defaultdict."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, state, ref) -> None:
+        super().__init__(dict, state)
+        self.ref = ref
+
+    def _read(self) -> None:
+        t = self.ref()
+        if t is not None and not _QUIET[0] and t._opt_synced != t._version \
+                and not torch.compiler.is_dynamo_compiling():
+            t._sync_if_stale()
+
+    def __getitem__(self, key):
+        self._read()
+        return collections.defaultdict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        self._read()
+        return collections.defaultdict.get(self, key, default)
+
+    def items(self):
+        self._read()
+        return collections.defaultdict.items(self)
+
+    def values(self):
+        self._read()
+        return collections.defaultdict.values(self)
+
+    def __reduce__(self):
+        return (collections.defaultdict, (dict,), None, None,
+                iter(collections.defaultdict.items(self)))
 
 
-def _grad_only() -> bool:
-    """Whether the read comes from ``Module.zero_grad`` (it reads gradients only)."""
+def cover_state(trainer: Any) -> None:
+    """Watch the reads of each of the optimizer's ``state`` (again after
+    ``optimizer.load_state_dict`` replaced it)."""
+    for o in fopt.members(trainer.optimizer):
+        if not isinstance(o.state, SyncedState):
+            o.state = SyncedState(o.state, trainer._self_ref)
+
+
+def _grad_readers() -> dict:
+    """Code objects of torch's functions that read the module's gradients only."""
+    import inspect
+    from torch.nn.utils import clip_grad
+    out = {torch.nn.Module.zero_grad.__code__: "zero_grad"}
+    for name in ("clip_grad_norm_", "clip_grad_value_", "get_total_norm"):
+        fn = getattr(clip_grad, name, None)
+        if fn is not None:
+            out[inspect.unwrap(fn).__code__] = name
+    return out
+
+
+_GRAD_READERS: dict = {}
+
+
+def _grad_reader() -> str:
+    """The name of the torch function reading gradients only (``Module.zero_grad``,
+    ``clip_grad_norm_``) that this read comes from, or ``""``."""
+    if not _GRAD_READERS:
+        _GRAD_READERS.update(_grad_readers())
     f = sys._getframe(3)
-    for _ in range(6):
+    for _ in range(8):
         if f is None:
-            return False
-        if f.f_code in _GRAD_ONLY:
-            return True
+            return ""
+        name = _GRAD_READERS.get(f.f_code)
+        if name:
+            return name
         f = f.f_back
-    return False
+    return ""
+
+
+def _warn_clipping(t: Any, name: str) -> None:
+    if getattr(t, "_warned_clip", False):
+        return
+    t._warned_clip = True
+    knob = "max_grad_value" if name == "clip_grad_value_" else "max_grad_norm"
+    warn_at_caller(
+        f"pw.Trainer: torch.nn.utils.{name} on the module after trainer.step clips "
+        "nothing: the step computed the gradients and applied the update on the workers "
+        f"(the module holds no gradients). Pass {knob}= to pw.Trainer, which clips "
+        "inside each step as torch's clipping before optimizer.step() does", UserWarning)
 
 
 def _on_read(t: Any, d: Synced, key) -> None:
@@ -230,12 +306,17 @@ def _on_read(t: Any, d: Synced, key) -> None:
             hit = any(id(v) in stale for v in dict.values(d))
         else:
             hit = id(dict.get(d, key)) in stale
-        if hit and not _grad_only():
+        reader = _grad_reader() if hit else ""
+        if reader:                      # gradients only: nothing to fetch
+            if reader != "zero_grad":
+                _warn_clipping(t, reader)
+            return
+        if hit:
             t._read_syncs = t._read_syncs + 1 if t._read_synced == t._version - 1 else 1
             t._read_synced = t._version
             if t._read_syncs == WARN_AT:
                 _warn_every_step(w, stale)
-            t._sync_if_stale()
+            t._sync_if_stale(optimizer=False)
     w.expose(d)
 
 
@@ -258,13 +339,16 @@ def install(trainer: Any) -> None:
 
     def forward(t, owner, *_args, **_kwargs):
         if not torch.compiler.is_compiling():
-            t._sync_if_stale()
+            t._sync_if_stale(optimizer=False)
             # a forward in train mode updates BatchNorm's statistics, in place without
             # torch's version counter: the next step takes the module's buffers
             t._watch.buffers_touched |= owner.training
 
-    def sync(t, owner, *_args, **_kwargs):
+    def sync(t, owner, *_args, **_kwargs):         # the optimizer's state_dict()
         t._sync_if_stale()
+
+    def sync_module(t, owner, *_args, **_kwargs):  # the module's state_dict()
+        t._sync_if_stale(optimizer=False)
 
     def load(t, owner, state_dict, prefix, *_args):
         t._watch.on_load(state_dict, prefix)      # follow.py: what load replaces
@@ -272,7 +356,7 @@ def install(trainer: Any) -> None:
     for attr in ("_forward_pre_hooks", "_state_dict_pre_hooks",
                  "_load_state_dict_pre_hooks"):
         _own_hooks(model, attr)
-    handles = [model.register_state_dict_pre_hook(_Hook(sync, ref)),
+    handles = [model.register_state_dict_pre_hook(_Hook(sync_module, ref)),
                model.register_forward_pre_hook(_Hook(forward, ref)),
                model.register_load_state_dict_pre_hook(_Hook(load, ref))]
     for o in fopt.members(trainer.optimizer):
@@ -280,6 +364,7 @@ def install(trainer: Any) -> None:
         handles.append(o.register_state_dict_pre_hook(_Hook(sync, ref)))
     trainer._marked, trainer._self_ref = [], ref
     cover(trainer)
+    cover_state(trainer)
     weakref.finalize(trainer, _remove, handles, trainer._marked, ref)
 
 

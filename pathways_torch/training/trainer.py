@@ -194,7 +194,7 @@ class Trainer:
         self._modes = _modes(self._modules)
         self.restarts: List[Restart] = []         # fit's elastic restarts
         # the module and optimizer hold what the workers hold as of this update count
-        self._version = self._synced = 0
+        self._version = self._synced = self._opt_synced = 0
         self._closed = False            # the cluster shut down: nothing left to read
         # reads of the module and optimizer see the trained values (reads.py), and
         # what the script does to them is followed from now on (follow.py)
@@ -434,8 +434,13 @@ class Trainer:
         follow.follow(self)
         return self._state()
 
-    def _state(self, only=None) -> Dict[str, Any]:
-        """``state_dict()``, with the module's tensors limited to the names ``only``."""
+    def _state(self, only=None, optimizer: bool = True) -> Dict[str, Any]:
+        """``state_dict()``, with the module's tensors limited to the names ``only``,
+        and without the optimizer's state unless ``optimizer``."""
+        if not optimizer:
+            return {"model": {n: a.torch() for n, a in
+                              {**self.replicas[0], **self.fixed[0]}.items()
+                              if only is None or n in only}}
         return {
             "model": {n: a.torch() for n, a in {**self.replicas[0], **self.fixed[0]}.items()
                       if only is None or n in only},
@@ -491,6 +496,11 @@ class Trainer:
         """Copy the trained parameters and buffers back into ``model`` (default: the
         Trainer's own) and the optimizer state into the torch optimizer, so that
         plain torch can go on where the Trainer stopped."""
+        return self._sync(model, optimizer=True)
+
+    def _sync(self, model: Optional[torch.nn.Module], optimizer: bool) -> torch.nn.Module:
+        """``sync_to``; the optimizer's state only with ``optimizer`` (a read of the
+        module needs the parameters alone: a third of the bytes under Adam)."""
         model = self.model if model is None else _uncompiled(model)
         # what the script changed since the last step goes to the workers first; a
         # change of a stale module (StaleModuleError at a step) is overwritten here
@@ -500,7 +510,8 @@ class Trainer:
         # the workers; what no step writes (a frozen encoder, a GAN's discriminator
         # trained by another Trainer) is as current there as here
         only = self._watch.stale_names(self) if model is self.model else None
-        sd = self._state(only)
+        optimizer = optimizer and model is self.model
+        sd = self._state(only, optimizer=optimizer)
         # matched by name as if nothing were torch.compile'd (a compiled block adds
         # "_orig_mod."), so a compiled model syncs to a plain copy and back
         trained = {_plain(n): t for n, t in sd["model"].items()}
@@ -521,7 +532,7 @@ class Trainer:
         with torch.no_grad():
             for n, t in ours:
                 t.copy_(trained[n])
-        if model is self.model:
+        if optimizer:
             named = dict(self.model.named_parameters())
             for n, st in sd["optim"].items():
                 torch_state = self.optimizer.state[named[n]]
@@ -530,25 +541,29 @@ class Trainer:
                 self.optimizer.state[named[n]].update(held)
             for (gi, k), t in sd.get("group_tensors", {}).items():
                 self.optimizer.param_groups[gi][k] = t
+            self._opt_synced = version
+        if model is self.model:
             self._synced = version
             follow.record(self)
         return model
 
     @reads.internal
-    def _sync_if_stale(self) -> None:
-        """What a read of the module or the optimizer (``state_dict()``, a forward on
-        the CPU) sees: the trained values, as in a torch loop (see reads.py)."""
-        if self._synced != self._version and not self._closed \
-                and not torch.compiler.is_compiling():
+    def _sync_if_stale(self, optimizer: bool = True) -> None:
+        """What a read of the module (``optimizer=False``) or the optimizer
+        (``state_dict()``, a forward on the CPU) sees: the trained values, as in a
+        torch loop (see reads.py)."""
+        stale = self._synced != self._version or (
+            optimizer and self._opt_synced != self._version)
+        if stale and not self._closed and not torch.compiler.is_compiling():
             follow.follow(self)     # a change of the stale module raises, not lost
-            self.sync_to()
+            self._sync(None, optimizer=optimizer)
 
     @reads.internal
     def _sync_before_shutdown(self) -> None:
         """``pw.shutdown()`` ends the workers that hold the trained values: copy them
         into the module first, so a script that saves after shutting down saves them."""
         try:
-            if self._synced != self._version:
+            if self._version != self._synced or self._version != self._opt_synced:
                 self.sync_to()
         except Exception as e:
             raise PathwaysError(
