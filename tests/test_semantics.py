@@ -85,6 +85,35 @@ def test_random_ops_draw_fresh_values_every_call(s4):
     assert abs(a.var().item() - 1 / 12) < 5 * 0.0745 / n ** 0.5
 
 
+def test_draws_from_pythons_or_numpys_generator_while_traced_warn_with_the_line(s4):
+    """Hand-written layer drop with ``random.random()`` and a numpy mask (Hugging
+    Face's MusicGen, Whisper's SpecAugment): a compiled program would take the same
+    draws every call, so the trace says where they came from; torch's draws do not
+    warn (each call gets a new seed)."""
+    import random
+    import warnings
+
+    import numpy as np
+
+    @pw.program
+    def layer_drop(x):
+        if random.random() < 0.5:
+            return x
+        return x * torch.from_numpy(np.random.rand(4).astype("float32"))
+
+    x = pw.put(torch.ones(8, 4), s4, P("data"))
+    with pytest.warns(UserWarning, match=r"'layer_drop' drew random numbers .*"
+                                         r"test_semantics\.py:\d+ random\.random"
+                                         r"(; tests/test_semantics\.py:\d+ np\.random\.rand)?"
+                                         r".*torch\.rand") as got:
+        layer_drop(x).wait()
+    assert [w.filename for w in got if "drew random" in str(w.message)] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        noisy(x).wait()                          # torch.rand_like: no warning
+    assert (random.random.__name__, np.random.rand.__name__) == ("random", "rand")  # restored
+
+
 def test_normal_and_integer_draws(s4):
     @pw.program
     def draws(x):

@@ -48,8 +48,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._xla import cpu_fallbacks
-from ..errors import DataDependentError, PathwaysError, ShapeError, TraceError
-from . import lowerings, remat, torch_paths
+from ..errors import (DataDependentError, PathwaysError, ShapeError, TraceError,
+                      warn_at_caller)
+from . import hostrng, lowerings, remat, torch_paths
 
 _lock = threading.RLock()
 _device = None
@@ -557,7 +558,17 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fakes = [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in in_avals]
         del mode
-        gm, info = _graph(fn, name, sig, fakes, build_args, dev)
+        with hostrng.watch() as draws:
+            gm, info = _graph(fn, name, sig, fakes, build_args, dev)
+        if draws:
+            warn_at_caller(
+                f"program '{name}' drew random numbers from Python's or numpy's global "
+                f"generator while it was traced ({'; '.join(draws[:4])}): the compiled "
+                "program holds those draws as constants, so every call takes the same "
+                "ones (the same layers dropped, the same positions masked), where torch "
+                "draws anew each step. Draw with torch (torch.rand, torch.randint, "
+                "torch.bernoulli: each call gets a new seed), or turn the feature off "
+                "(Hugging Face: config.layerdrop=0.0, mask_time_prob=0.0)", UserWarning)
         _check_ops(gm, name, dev)
         sources = [(t, t._version) for t in (getattr(gm, n.target) for n in gm.graph.nodes
                                              if n.op == "get_attr")
