@@ -1217,3 +1217,114 @@ def test_a_model_left_in_eval_mode_trains_in_train_mode(s2):
     assert_losses(got, want, rtol=1e-5, atol=1e-6)
     assert_same_model(tr.sync_to(copy.deepcopy(model)), ref, atol=1e-6)
     assert not model.training and not model[1].training
+
+
+# ---------------------------------------------------------------------- ema=
+swa = torch.optim.swa_utils
+
+
+def bn_mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+AVERAGES = {
+    "ema": (mlp, lambda: dict(multi_avg_fn=swa.get_ema_multi_avg_fn(0.9))),
+    "swa": (mlp, dict),
+    "avg_fn": (mlp, lambda: dict(avg_fn=swa.get_ema_avg_fn(0.8))),
+    "bn_buffers_averaged": (bn_mlp, lambda: dict(
+        multi_avg_fn=swa.get_ema_multi_avg_fn(0.9), use_buffers=True)),
+    "bn_buffers_copied": (bn_mlp, lambda: dict(multi_avg_fn=swa.get_ema_multi_avg_fn(0.9))),
+}
+
+
+def sgd(m):
+    # SGD: Adam amplifies the float noise of BatchNorm's layers (test_models.py says how)
+    return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+
+def torch_averaged(make, kw, data):
+    ref = make()
+    opt, avg = sgd(ref), swa.AveragedModel(ref, **kw)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        avg.update_parameters(ref)
+    return avg
+
+
+@pytest.mark.parametrize("strat", ["dp", "fsdp"])
+@pytest.mark.parametrize("kind", list(AVERAGES))
+def test_ema_is_updated_on_the_workers_as_update_parameters_does(s2, kind, strat):
+    """``ema=`` updates the AveragedModel after every step without fetching the weights
+    (the module is still stale after the steps); reading it gives torch's average, its
+    count, and its buffers averaged or copied as ``use_buffers`` says."""
+    make, kw = AVERAGES[kind]
+    data = batches(4)
+    want = torch_averaged(make, kw(), data)
+    model = make()
+    ema = swa.AveragedModel(model, **kw())
+    tr = pw.Trainer(model, sgd(model), F.cross_entropy, slice=s2,
+                    parallelism=strategy(strat), ema=ema)
+    for x, y in data:
+        tr.step(x, y)
+    assert tr._synced != tr._version            # the weights never came back
+    got = ema.state_dict()
+    for k, v in want.state_dict().items():
+        torch.testing.assert_close(got[k].float(), v.float(), rtol=TOL, atol=TOL,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    assert int(ema.n_averaged) == 4
+    ema.eval(), want.eval()
+    torch.testing.assert_close(ema(data[0][0]), want(data[0][0]), rtol=TOL, atol=TOL)
+
+
+def test_ema_survives_a_checkpoint_and_refuses_a_second_update(s2, tmp_path):
+    data = batches(4)
+    kw = dict(multi_avg_fn=swa.get_ema_multi_avg_fn(0.9))
+    at_two = torch_averaged(mlp, kw, data[:2])
+    model = mlp()
+    ema = swa.AveragedModel(model, **kw)
+    tr = pw.Trainer(model, sgd(model), F.cross_entropy, slice=s2, ema=ema)
+    for x, y in data[:2]:
+        tr.step(x, y)
+    tr.save(str(tmp_path / "ckpt"))
+    sd = tr.state_dict()
+    for x, y in data[2:]:
+        tr.step(x, y)
+    for restore in (lambda: tr.load(str(tmp_path / "ckpt")), lambda: tr.load_state_dict(sd)):
+        restore()
+        for (k, a), b in zip(ema.module.state_dict().items(), at_two.module.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=TOL, atol=TOL, msg=lambda m, k=k: f"{k}: {m}")
+        assert int(ema.n_averaged) == 2
+        tr.step(*data[2])                       # and it goes on from there
+        assert int(ema.n_averaged) == 3
+    with pytest.raises(pw.PathwaysError, match=r"already updates the AveragedModel.*Remove"):
+        ema.update_parameters(model)
+
+
+def test_ema_of_something_else_is_refused(s2):
+    model = mlp()
+    with pytest.raises(pw.PathwaysError, match="AveragedModel"):
+        pw.Trainer(model, sgd(model), F.cross_entropy, slice=s2, ema=copy.deepcopy(model))
+    with pytest.raises(pw.PathwaysError, match="another model"):
+        pw.Trainer(model, sgd(model), F.cross_entropy, slice=s2,
+                   ema=swa.AveragedModel(mlp(d_out=5)))
+
+
+def test_an_ema_updated_by_the_script_equals_torch_and_says_where_it_would_be_cheaper(s2):
+    """Without ``ema=``, ``ema.update_parameters(model)`` after each step reads the
+    trained weights (a fetch a step): torch's numbers, and a SyncWarning naming
+    ``ema=``."""
+    data = batches(6)
+    kw = dict(multi_avg_fn=swa.get_ema_multi_avg_fn(0.9))
+    want = torch_averaged(mlp, kw, data)
+    model = mlp()
+    ema = swa.AveragedModel(model, **kw)
+    tr = pw.Trainer(model, sgd(model), F.cross_entropy, slice=s2)
+    with pytest.warns(pw.SyncWarning, match=r"pw\.Trainer\(\.\.\., ema=ema\)"):
+        for x, y in data:
+            tr.step(x, y)
+            ema.update_parameters(model)
+    for k, v in want.state_dict().items():
+        torch.testing.assert_close(ema.state_dict()[k].float(), v.float(), rtol=TOL, atol=TOL)

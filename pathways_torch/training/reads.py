@@ -179,6 +179,7 @@ class Synced(dict):
             for r in self.refs:
                 t = r()
                 if t is not None and (t._synced != t._version
+                                      or type(t) in SELF_READING
                                       or id(self) not in t._watch.exposed):
                     _on_read(t, self, key)
         return dict.__getitem__(self, key)
@@ -291,10 +292,18 @@ def _warn_clipping(t: Any, name: str) -> None:
         "inside each step as torch's clipping before optimizer.step() does", UserWarning)
 
 
+#: owners of watched tensor dicts other than Trainers, which handle reads themselves
+#: (``owner.read(d, key)``): ema.py's Averaged
+SELF_READING: set = set()
+
+
 def _on_read(t: Any, d: Synced, key) -> None:
     """The script reads ``d[key]`` (or all of ``d``): if a step updated one of those
     tensors since the module last agreed with the workers, sync ``t`` first; then
     fingerprint them (a write the version counter misses shows at the next step)."""
+    if type(t) in SELF_READING:
+        t.read(d, key)
+        return
     w = t._watch
     if t._synced == t._version and id(d) in w.exposed:
         return                          # read since the last sync and fingerprinted
@@ -320,8 +329,24 @@ def _on_read(t: Any, d: Synced, key) -> None:
     w.expose(d)
 
 
+def _in_update_parameters() -> bool:
+    code = torch.optim.swa_utils.AveragedModel.update_parameters.__code__
+    f = sys._getframe(2)
+    while f is not None and f.f_code is not code:
+        f = f.f_back
+    return f is not None
+
+
 def _warn_every_step(w: Any, stale) -> None:
     nbytes = sum(x.numel() * x.element_size() for _, x, _, _ in w.tensors if id(x) in stale)
+    if _in_update_parameters():
+        warn_at_caller(
+            f"pw.Trainer: AveragedModel.update_parameters(model) after each of the last "
+            f"{WARN_AT} steps copied the trained values ({nbytes / 2**20:.2f} MiB) from "
+            "the workers every step. Give the AveragedModel to the Trainer instead, "
+            "pw.Trainer(..., ema=ema), and remove the call: it is then updated after "
+            "every step on the workers, and reading it syncs it", SyncWarning)
+        return
     warn_at_caller(
         f"pw.Trainer: the module's trained tensors were read after each of the last "
         f"{WARN_AT} steps: each read after a step copies the "
@@ -371,11 +396,12 @@ def install(trainer: Any) -> None:
 _TENSOR_DICTS = ("_parameters", "_buffers")
 
 
-def cover(trainer: Any) -> None:
-    """Watch every module of ``trainer.model`` as it is now (again after a new
-    submodule is assigned): the copy marker and the tensor dicts."""
+def cover(trainer: Any, model: Any = None) -> None:
+    """Watch every module of ``trainer.model`` (or ``model``, for another owner of
+    watched tensors: ema.py) as it is now (again after a new submodule is
+    assigned): the copy marker and the tensor dicts."""
     ref = trainer._self_ref
-    for m in trainer.model.modules():
+    for m in (trainer.model if model is None else model).modules():
         d = m.__dict__
         marker = d.get(MARKER)
         if not isinstance(marker, _CopySync):

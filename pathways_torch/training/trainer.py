@@ -44,7 +44,7 @@ from ..errors import PathwaysError
 from ..parallel.strategies import DataParallel, MultiIsland, Pipeline, mesh_sizes
 from ..sharding import P, validate_spec
 from . import elastic
-from . import follow, numbers, optim as fopt, reads
+from . import ema as ema_mod, follow, numbers, optim as fopt, reads
 from .batches import _place_batch
 from .elastic import Restart
 from .follow import _flags, modes as _modes
@@ -78,7 +78,10 @@ class Trainer:
     ``seed`` starts the stream of RNG seeds of the steps (default: follow torch's, so
     ``torch.manual_seed`` before or after building the Trainer sets it, as it sets a
     torch loop's masks): dropout draws new masks every step, the same seed gives the
-    same run, and checkpoints hold the stream's position.
+    same run, and checkpoints hold the stream's position. ``ema`` (a
+    ``torch.optim.swa_utils.AveragedModel`` of ``model``) is updated after every update
+    on the workers, as ``ema.update_parameters(model)`` after ``optimizer.step()``
+    would be (leave that call out); reading ``ema`` syncs it, checkpoints hold it.
     """
 
     @reads.internal
@@ -87,7 +90,7 @@ class Trainer:
                  max_grad_norm: Optional[float] = None,
                  max_grad_value: Optional[float] = None, accumulate: int = 1,
                  precision: Optional[str] = None, scheduler=None,
-                 seed: Optional[int] = None) -> None:
+                 seed: Optional[int] = None, ema=None) -> None:
         model = _uncompiled(model)
         reads.sync_others(model, follow._WATCHES)    # a Trainer before this one on it
         if isinstance(optimizer, (list, tuple)):
@@ -201,6 +204,8 @@ class Trainer:
         reads.install(self)
         self._watch = follow.Watch(self.model, self.optimizer, follow.array_ids(self))
         self._watch.owner = weakref.ref(self)
+        # an AveragedModel of the model, updated on the workers after every update
+        self._ema = ema_mod.Averaged(self, ema) if ema is not None else None
         runtime.before_shutdown(self._sync_before_shutdown)
 
     # ------------------------------------------------------------------ layout helpers
@@ -388,6 +393,8 @@ class Trainer:
             self.micro = 0
         self.steps += 1
         self._version += 1
+        if self._ema is not None:
+            self._ema.update()
         for opt in fopt.members(self.optimizer):
             opt._opt_called = True      # what optimizer.step() tells torch's schedulers
         if self.scheduler is not None:
@@ -448,6 +455,7 @@ class Trainer:
                       for n, st in {**self._parked[0], **self.states[0]}.items()},
             "steps": torch.tensor(self.steps),
             "rng": self._rng_tensor(),
+            **({"ema": self._ema.state()} if self._ema is not None else {}),
             **({"numbers": copy.deepcopy(self._book.mirror),
                 "group_tensors": {gk: a.torch() for gk, a in
                                   self._book.group_tensors.items()}} if self._book else {}),
@@ -484,6 +492,8 @@ class Trainer:
         self.steps = int(sd["steps"])
         if "rng" in sd:
             self._set_rng(sd["rng"])
+        if self._ema is not None and "ema" in sd:
+            self._ema.load_state(sd["ema"])
         follow.record(self, stale=True)    # the module's old values: replaced (a read fetches)
         if self._book is not None and "numbers" in sd:
             self._book.mirror = copy.deepcopy(sd["numbers"])
@@ -565,6 +575,8 @@ class Trainer:
         try:
             if self._version != self._synced or self._version != self._opt_synced:
                 self.sync_to()
+            if self._ema is not None:
+                self._ema._sync_if_stale()
         except Exception as e:
             raise PathwaysError(
                 f"pw.Trainer could not copy its trained values into its module ({e}): "
@@ -598,11 +610,15 @@ class Trainer:
         for (gi, k), a in (self._book.group_tensors.items() if self._book else ()):
             arrays[f"optim_group.{gi}.{k}"] = a
         arrays["rng"] = put(self._rng_tensor(), home(first), P())
+        if self._ema is not None:
+            arrays.update(self._ema.checkpoint_arrays())
         save_arrays(path, arrays)
         side = {"micro": self.micro,
                 "lrs": [float(g["lr"]) for g in self.optimizer.param_groups],
                 "scheduler": _jsonable(self.scheduler.state_dict())
                 if self.scheduler is not None else None}
+        if self._ema is not None:
+            side["ema_n"] = self._ema.n
         if self._book is not None:      # a generic optimizer's numbers (numbers.py)
             side["numbers"] = self._book.mirror
             side["group_numbers"] = [{k: v for k, v in g.items() if numbers.is_number(v)}
@@ -657,6 +673,8 @@ class Trainer:
                     wanted[key] = (home_of(first), shape, dtype, P())
                 if side:
                     wanted["rng"] = (home_of(first), torch.Size([2]), torch.int64, P())
+                if self._ema is not None and "ema_n" in side:
+                    wanted.update(self._ema.wanted())
             got = load_arrays(path, wanted)
             for n in self.replicas[r]:
                 self.replicas[r][n] = got[f"model.{n}"]
@@ -679,6 +697,8 @@ class Trainer:
                 self.steps = int(got["steps"].torch())
                 if "rng" in got:
                     self._set_rng(got["rng"].torch())
+                if self._ema is not None and "ema_n" in side:
+                    self._ema.loaded(got, int(side["ema_n"]))
         self.micro = int(side.get("micro", 0))
         for g, lr in zip(self.optimizer.param_groups, side.get("lrs", ())):
             g["lr"] = lr                      # what the scheduler had written
