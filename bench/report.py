@@ -1203,12 +1203,35 @@ def optimizers(rep: Report) -> None:
                            f"{res['traces']['torch.optim']})"]]) + "\n")
 
 
+def ema(rep: Report) -> None:
+    res = rep.get("ema.py")
+    if res is None:
+        return
+
+    def spread(r):
+        return (f"{ratio(r['median'])} ({ratio(r['lo'])}-{ratio(r['hi'])}, "
+                f"{r['rounds']} rounds, {r['spread']})")
+    ms = res["ms_per_step"]
+    rep.add("## An average of the weights (ema=)\n",
+            f"torch's AveragedModel (EMA) of {res['layers']} Linear({res['width']}) layers "
+            f"({res['param_mib']} MiB of parameters, AdamW), updated after every step by "
+            "the script's `ema.update_parameters(model)` (a fetch of the weights a step) "
+            "or by `pw.Trainer(ema=)` on the workers (docs/architecture.md, \"An average "
+            f"of the weights on the workers\"; {source(res, 'ema.py')}); no bar.\n",
+            table(["what", "value"], [
+                ["ms a step: no EMA / ema= / the script's call",
+                 f"{num(ms['none'])} / {num(ms['ema='])} / {num(ms['script'])}"],
+                ["the script's call over ema= (median of per-round ratios)",
+                 spread(res["script_over_ema="])],
+                ["ema= over no EMA", spread(res["ema=_over_none"])]]) + "\n")
+
+
 def build(results: dict, img_dir=IMG) -> Report:
     """Every section of the report; ``img_dir=None`` writes no plots."""
     rep = Report(results)
     rep.img_dir = img_dir
     for section in (fig5, fig6, fig7, fig9, training, dcn, bulk, ray_section, runtime, soak,
-                    faults, scale, spanning, optimizers, slurm):
+                    faults, scale, spanning, optimizers, ema, slurm):
         section(rep)
     return rep
 

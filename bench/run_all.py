@@ -68,6 +68,9 @@ BENCHES = [
     # An optimizer from outside torch.optim (its Python numbers as inputs) against
     # torch.optim's own path, per step (~1 min).
     ("optimizers.py", ["--rounds", "7"], ["--rounds", "2", "--steps", "10"]),
+    # An AveragedModel updated on the workers (ema=) against the script's own
+    # update_parameters call after each step, and against no EMA (~30 s).
+    ("ema.py", ["--rounds", "7"], ["--rounds", "2", "--steps", "5"]),
 ]
 
 # Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.

@@ -2,7 +2,8 @@
 
 In a torch loop ``optimizer.step()`` updates the module in place; here the values live on
 the workers. So every read the Trainer can see syncs first, when an update happened since
-the last sync (one fetch then, none otherwise):
+the last sync (one fetch then, none otherwise; a read of the module fetches what steps
+updated, not the optimizer's state):
 
 - ``model.state_dict()`` and ``optimizer.state_dict()`` (``torch.save`` at the end of
   training), and a forward on the client (generation, a quick eval): hooks;
@@ -17,7 +18,12 @@ the last sync (one fetch then, none otherwise):
   and ``_buffers`` dicts are a ``dict`` subclass whose reads sync first (``Synced``).
   ``model.zero_grad()`` is let through: it reads gradients only; so is
   ``clip_grad_norm_(model.parameters())`` after a step, with a warning that it clips
-  nothing (``max_grad_norm=`` does, inside the step).
+  nothing (``max_grad_norm=`` does, inside the step);
+- ``optimizer.state[p]``: the optimizer's ``state`` is a ``defaultdict`` subclass
+  (``SyncedState``) whose reads sync the optimizer's state.
+
+An ``AveragedModel`` given as ``ema=`` is watched the same way (``SELF_READING``: its
+owner, ema.py, syncs it).
 
 Reads from the Trainer's own methods (``internal``) and from its traces are not the
 script's and never sync. A tensor handed out by such a read may then be written in a way
@@ -56,19 +62,20 @@ WARN_AT = 5        # steps in a row after which a read synced: SyncWarning
 
 _ALL = object()      # a read of every value of a tensor dict
 
-# > 0 while a Trainer's own method runs: its reads of the module are not the script's
-_QUIET = [0]
+# not empty while a Trainer's own method runs: its reads of the module are not the
+# script's (a list: append and pop are atomic, so threads cannot corrupt the count)
+_QUIET: List[int] = []
 
 
 def internal(fn: Callable) -> Callable:
     """Mark a Trainer method whose reads of the module are its own (no sync)."""
     @functools.wraps(fn)
     def quietly(*args, **kwargs):
-        _QUIET[0] += 1
+        _QUIET.append(1)
         try:
             return fn(*args, **kwargs)
         finally:
-            _QUIET[0] -= 1
+            _QUIET.pop()
     return quietly
 
 
@@ -167,7 +174,7 @@ class Synced(dict):
 
     def _read(self, key=_ALL) -> None:
         # under torch.compile the module's forward pre-hook syncs, outside the graph
-        if _QUIET[0] or torch.compiler.is_dynamo_compiling():
+        if _QUIET or torch.compiler.is_dynamo_compiling():
             return
         for r in self.refs:
             t = r()
@@ -175,7 +182,7 @@ class Synced(dict):
                 _on_read(t, self, key)
 
     def __getitem__(self, key):       # module.weight: kept short, a forward's path
-        if self.refs and not _QUIET[0] and not torch.compiler.is_dynamo_compiling():
+        if self.refs and not _QUIET and not torch.compiler.is_dynamo_compiling():
             for r in self.refs:
                 t = r()
                 if t is not None and (t._synced != t._version
@@ -216,7 +223,7 @@ class SyncedState(collections.defaultdict):
 
     def _read(self) -> None:
         t = self.ref()
-        if t is not None and not _QUIET[0] and t._opt_synced != t._version \
+        if t is not None and not _QUIET and t._opt_synced != t._version \
                 and not torch.compiler.is_dynamo_compiling():
             t._sync_if_stale()
 
