@@ -729,3 +729,29 @@ def test_a_torch_loops_leftovers_after_trainer_step(s2):
     assert_losses(got, want)
     with pytest.raises(TypeError, match=r"remove loss\.backward\(\) and optimizer\.step\(\)"):
         loss.backward()
+
+
+def test_a_python_counter_the_forward_bumps_warns_and_a_buffer_counts(s2):
+    """``self.calls += 1`` in a forward runs only while the step is traced; the
+    Trainer says so, and the buffer it suggests counts every step, as in torch."""
+    class Counts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.calls = 0
+            self.register_buffer("seen", torch.tensor(0))
+
+        def forward(self, x):
+            self.calls += 1
+            self.seen += 1
+            return self.net(x)
+
+    model = Counts()
+    tr = trainer(model, adam(model), s2)
+    x, y = batches(1)[0]
+    with pytest.warns(UserWarning, match=r"model\.calls went up by one while the step "
+                                         r"was traced.*register_buffer\('calls'") as got:
+        for _ in range(3):
+            tr.step(x, y)
+    assert [w.filename for w in got if "went up by one" in str(w.message)] == [__file__]
+    assert int(model.seen) == 3 and model.calls == 1

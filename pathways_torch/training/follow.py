@@ -47,7 +47,7 @@ from typing import Dict, List, Set, Tuple
 import torch
 
 from ..client.array import put
-from ..errors import PathwaysError, RetraceWarning, StaleModuleError
+from ..errors import PathwaysError, RetraceWarning, StaleModuleError, warn_at_caller
 from ..parallel.strategies import Pipeline
 from . import leaks, optim as fopt, reads
 
@@ -140,6 +140,12 @@ class Attributes:
         return [path for (d, k, path), v in zip(self.slots, self.values)
                 if (x := d.get(k, _MISSING)) is not v and x != v]
 
+    def counted(self) -> List[str]:
+        """Integer attributes one more than at record: a counter the forward bumps
+        (``self.calls += 1``), which only the trace ran."""
+        return [path for (d, k, path), v in zip(self.slots, self.values)
+                if type(v) is int and type(d.get(k)) is int and d.get(k) == v + 1]
+
     def note(self, paths: List[str]) -> None:
         """Count the values each changed attribute has taken; warn at ``WARN_AT``."""
         for (d, k, path), old in zip(self.slots, self.values):
@@ -170,6 +176,18 @@ def after_call(tr) -> None:
     a = tr._watch.attributes
     n = _traces(tr)
     if n != a.traces:
+        warned = tr.__dict__.setdefault("_counters_warned", set())
+        for path in a.counted():
+            if path not in warned:
+                warned.add(path)
+                warn_at_caller(
+                    f"pw.Trainer: model.{path} went up by one while the step was traced: "
+                    "the forward counts in a Python attribute, which runs only while "
+                    "tracing, so later steps leave it as it is (in torch every forward "
+                    f"counts). Keep the count in a buffer (self.register_buffer("
+                    f"{path.rsplit('.', 1)[-1]!r}, torch.tensor(0)), then "
+                    f"self.{path.rsplit('.', 1)[-1]} += 1 in the forward): the step "
+                    "updates it every call", UserWarning)
         a.record()
         a.traces = n
         leaks.check(tr)           # a traced tensor kept by the script's Python
