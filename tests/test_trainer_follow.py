@@ -755,3 +755,23 @@ def test_a_python_counter_the_forward_bumps_warns_and_a_buffer_counts(s2):
             tr.step(x, y)
     assert [w.filename for w in got if "went up by one" in str(w.message)] == [__file__]
     assert int(model.seen) == 3 and model.calls == 1
+
+
+@pytest.mark.parametrize("how", ["clear", "assign_empty", "zero_moments"])
+def test_the_optimizers_state_reset_or_changed_between_steps_equals_torch(s2, how):
+    """Resetting Adam after a change of phase (pruning, a new task): ``opt.state.clear()``,
+    ``opt.state[p] = {}`` for the head, or the moments zeroed in place after reading
+    them; torch's next step starts that state again, and so does the Trainer's."""
+    def between(i, m, o):
+        if i != 1:
+            return
+        if how == "clear":
+            o.state.clear()
+        elif how == "assign_empty":
+            for p in m[4].parameters():
+                o.state[p] = {}
+        else:
+            for p in m.parameters():
+                o.state[p]["exp_avg"].zero_()
+                o.state[p]["exp_avg_sq"].zero_()
+    both(adam, between=between, n=4, s=s2)

@@ -236,6 +236,18 @@ class Watch:
         self.exposed: Set[int] = set()        # ids of tensor dicts the script read
         self.prints: Dict[int, int] = {}      # id(tensor) -> its CRC-32 when read
         self._stale: Tuple[int, Set[int]] = (-1, set())      # (update count, ids)
+        if not hasattr(self, "opt_record"):
+            self.opt_record: Dict[str, Dict[str, tuple]] = {}
+
+    def record_state(self, tr) -> None:
+        """The torch optimizer's state was just synced: its tensors and their version
+        counters, so an in-place change before the next step shows (state_changes)."""
+        self.opt_record = {}
+        for n in tr.states[0]:
+            st = _torch_state(tr, n)
+            if st:
+                self.opt_record[n] = {k: (v, v._version) for k, v in st.items()
+                                      if isinstance(v, torch.Tensor)}
 
     def stale_names(self, tr) -> Set[str]:
         """Names of the module's tensors that a step updated since record (their worker
@@ -309,6 +321,70 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.view(view).numpy())
 
 
+def _torch_state(tr, n: str):
+    """The torch optimizer's state of trained parameter ``n`` (no read hook), or None."""
+    p = tr._held[n]
+    for o in fopt.members(tr.optimizer):
+        st = dict.get(o.state, p)
+        if st is not None:
+            return st
+    return None
+
+
+def state_changes(tr) -> Tuple[List[str], Dict[str, List[str]]]:
+    """What the script did to the torch optimizer's state of trained parameters since
+    it was synced: parameters whose state it removed or emptied (``opt.state.clear()``,
+    ``opt.state[p] = {}``: a reset, as torch's next step starts it again), and state
+    tensors it replaced or changed in place (``exp_avg.zero_()``)."""
+    w = tr._watch
+    touched: set = set()
+    for o in fopt.members(tr.optimizer):
+        got = getattr(o.state, "touched", None)
+        if got:
+            touched |= got
+            got.clear()
+    reset, changed = [], {}
+    if not touched and not w.opt_record:
+        return reset, changed
+    everything = reads._ALL in touched
+    for n in tr.states[0]:
+        st = _torch_state(tr, n)
+        rec = w.opt_record.get(n)
+        if everything or id(tr._held[n]) in touched:
+            if not st:
+                reset.append(n)
+            else:
+                changed[n] = [k for k, v in st.items() if isinstance(v, torch.Tensor)]
+        elif rec:
+            if not st or set(rec) - set(st):
+                reset.append(n)
+            else:
+                keys = [k for k, (t, v) in rec.items() if st[k] is not t or t._version != v]
+                if keys:
+                    changed[n] = keys
+    w.opt_record = {}             # compared once: a read before the next step records again
+    return reset, changed
+
+
+def push_state(tr, reset: List[str], changed: Dict[str, List[str]]) -> None:
+    """Put on the workers what ``state_changes`` found."""
+    if not (reset or changed) or tr._book is not None:
+        return
+    fresh = tr._initial_states(reset) if reset else {}
+    for r, home_of in enumerate(tr._homes):
+        for n in reset:
+            tr.states[r][n] = {k: put(t, home_of(n), tr._state_spec(n, t))
+                               for k, t in fresh[n].items()}
+        for n, keys in changed.items():
+            st = _torch_state(tr, n)
+            for k in keys:
+                v, old = st[k], tr.states[r][n].get(k)
+                t = (v.detach().clone() if isinstance(v, torch.Tensor) else
+                     torch.tensor(v, dtype=old.dtype if old is not None else None))
+                check_state_shapes(n, tr._held[n], {k: t})
+                tr.states[r][n][k] = put(t, home_of(n), tr._state_spec(n, t))
+
+
 def follow(tr, *, discard_stale: bool = False) -> None:
     """Bring ``tr``'s workers up to what the script did to its module and optimizer.
 
@@ -317,6 +393,7 @@ def follow(tr, *, discard_stale: bool = False) -> None:
     instead of raising."""
     w = tr._watch
     _sync_sharers(tr)
+    push_state(tr, *state_changes(tr))      # the optimizer's state, reset or changed
     attrs = w.attributes.changed()
     if attrs:                      # a traced step holds them as constants: trace again
         w.attributes.note(attrs)

@@ -20,7 +20,9 @@ updated, not the optimizer's state):
   ``clip_grad_norm_(model.parameters())`` after a step, with a warning that it clips
   nothing (``max_grad_norm=`` does, inside the step);
 - ``optimizer.state[p]``: the optimizer's ``state`` is a ``defaultdict`` subclass
-  (``SyncedState``) whose reads sync the optimizer's state.
+  (``SyncedState``) whose reads sync the optimizer's state, and which notes the
+  parameters whose state the script sets or removes (``opt.state.clear()``, a reset):
+  follow.py puts those again.
 
 An ``AveragedModel`` given as ``ema=`` is watched the same way (``SELF_READING``: its
 owner, ema.py, syncs it).
@@ -215,11 +217,37 @@ class SyncedState(collections.defaultdict):
     (``optimizer.state[p]["exp_avg"]``, a logger of Adam's step count) syncs the
     Trainer's optimizer state first. Pickles and copies as a plain defaultdict."""
 
-    __slots__ = ("ref",)
+    __slots__ = ("ref", "touched")
 
     def __init__(self, state, ref) -> None:
         super().__init__(dict, state)
         self.ref = ref
+        self.touched: set = set()       # ids of parameters whose state the script set
+
+    def _touch(self, key) -> None:
+        if not _QUIET:
+            self.touched.add(key if key is _ALL else id(key))
+
+    def __missing__(self, key):         # a read of a parameter without state: no reset
+        value: dict = {}
+        collections.defaultdict.__setitem__(self, key, value)
+        return value
+
+    def __setitem__(self, key, value) -> None:      # opt.state[p] = {} (a reset)
+        self._touch(key)
+        collections.defaultdict.__setitem__(self, key, value)
+
+    def __delitem__(self, key) -> None:
+        self._touch(key)
+        collections.defaultdict.__delitem__(self, key)
+
+    def pop(self, key, *default):
+        self._touch(key)
+        return collections.defaultdict.pop(self, key, *default)
+
+    def clear(self) -> None:                        # opt.state.clear()
+        self._touch(_ALL)
+        collections.defaultdict.clear(self)
 
     def _read(self) -> None:
         t = self.ref()

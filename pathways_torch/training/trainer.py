@@ -552,6 +552,7 @@ class Trainer:
             for (gi, k), t in sd.get("group_tensors", {}).items():
                 self.optimizer.param_groups[gi][k] = t
             self._opt_synced = version
+            self._watch.record_state(self)
         if model is self.model:
             self._synced = version
             follow.record(self)
