@@ -26,7 +26,6 @@ checkpoints (``save``/``load``, ``state_dict``, ``fit``) hold it. Example::
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Any, Dict, List
 
@@ -75,19 +74,6 @@ def _make_update(avg_fn, multi_avg_fn, first: bool):
     return update
 
 
-def _updating(averaged) -> bool:
-    """Whether ``averaged.update_parameters`` is on the stack (the script's own call)."""
-    code = torch.optim.swa_utils.AveragedModel.update_parameters.__code__
-    f = sys._getframe(2)
-    for _ in range(10):
-        if f is None:
-            return False
-        if f.f_code is code and f.f_locals.get("self") is averaged:
-            return True
-        f = f.f_back
-    return False
-
-
 class Averaged:
     """The workers' copy of an ``AveragedModel`` of a Trainer's model, updated after
     every update; reads of the ``AveragedModel`` sync it (reads.py)."""
@@ -125,7 +111,6 @@ class Averaged:
         self._version = self._synced = 0
         self._marked: List = []
         self._self_ref = weakref.ref(self)
-        self._warned = False
         reads.cover(self, averaged)      # reads of the AveragedModel sync it
         weakref.finalize(self, reads._remove, [], self._marked, self._self_ref)
 
@@ -157,7 +142,7 @@ class Averaged:
 
     # -- what reads.py asks of the owner of watched tensor dicts
     def read(self, d, key) -> None:
-        if key is reads._ALL and _updating(self.averaged):
+        if key is reads._ALL and reads.updating_average(self.averaged):
             raise PathwaysError(
                 "ema.update_parameters(model) in the loop: pw.Trainer(ema=ema) already "
                 "updates the AveragedModel after every step, on the workers. Remove the "

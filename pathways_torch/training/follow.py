@@ -176,10 +176,10 @@ def after_call(tr) -> None:
     a = tr._watch.attributes
     n = _traces(tr)
     if n != a.traces:
-        warned = tr.__dict__.setdefault("_counters_warned", set())
+        warned = tr._watch.warned
         for path in a.counted():
-            if path not in warned:
-                warned.add(path)
+            if f"count:{path}" not in warned:
+                warned.add(f"count:{path}")
                 warn_at_caller(
                     f"pw.Trainer: model.{path} went up by one while the step was traced: "
                     "the forward counts in a Python attribute, which runs only while "
@@ -215,6 +215,9 @@ class Watch:
         self.buffers_touched = False     # a forward in train mode on the client
         self.owner = lambda: None        # the Trainer, weakly (set by it)
         self.attributes = Attributes(model)
+        # the torch optimizer's state tensors as of its last sync (record_state)
+        self.opt_record: Dict[str, Dict[str, tuple]] = {}
+        self.warned: Set[str] = set()    # what the Trainer warned about, once each
         _hook_registrations()
         _WATCHES.add(self)
         self.record(arrays)
@@ -236,8 +239,6 @@ class Watch:
         self.exposed: Set[int] = set()        # ids of tensor dicts the script read
         self.prints: Dict[int, int] = {}      # id(tensor) -> its CRC-32 when read
         self._stale: Tuple[int, Set[int]] = (-1, set())      # (update count, ids)
-        if not hasattr(self, "opt_record"):
-            self.opt_record: Dict[str, Dict[str, tuple]] = {}
 
     def record_state(self, tr) -> None:
         """The torch optimizer's state was just synced: its tensors and their version

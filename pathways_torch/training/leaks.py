@@ -102,15 +102,15 @@ def check(trainer: Any) -> None:
     """After a trace of ``trainer``'s programs: warn once for each place that now
     holds a traced tensor."""
     fakes = _fake_types()
-    warned = trainer.__dict__.setdefault("_leaks_warned", set())
+    warned = trainer._watch.warned
     seen: Set[int] = set()
     for where, who, v in _places(trainer.model, trainer.loss_fn):
         found: List[str] = []
         _find(v, where, 2, fakes, seen, found)
         for path in found:
-            if path in warned:
+            if f"leak:{path}" in warned:
                 continue
-            warned.add(path)
+            warned.add(f"leak:{path}")
             warn_at_caller(
                 f"pw.Trainer: {path} holds a tensor that {who} stored while the step "
                 "was traced. The step runs on the workers, so later steps do not update "

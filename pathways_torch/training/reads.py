@@ -316,9 +316,9 @@ def _grad_reader() -> str:
 
 
 def _warn_clipping(t: Any, name: str) -> None:
-    if getattr(t, "_warned_clip", False):
+    if "clip" in t._watch.warned:
         return
-    t._warned_clip = True
+    t._watch.warned.add("clip")
     knob = "max_grad_value" if name == "clip_grad_value_" else "max_grad_norm"
     warn_at_caller(
         f"pw.Trainer: torch.nn.utils.{name} on the module after trainer.step clips "
@@ -364,17 +364,21 @@ def _on_read(t: Any, d: Synced, key) -> None:
     w.expose(d)
 
 
-def _in_update_parameters() -> bool:
+def updating_average(averaged: Any = None) -> bool:
+    """Whether ``AveragedModel.update_parameters`` (of ``averaged``, or of any) is on
+    the stack: the script's own EMA update reads the module."""
     code = torch.optim.swa_utils.AveragedModel.update_parameters.__code__
     f = sys._getframe(2)
-    while f is not None and f.f_code is not code:
+    while f is not None:
+        if f.f_code is code and (averaged is None or f.f_locals.get("self") is averaged):
+            return True
         f = f.f_back
-    return f is not None
+    return False
 
 
 def _warn_every_step(w: Any, stale) -> None:
     nbytes = sum(x.numel() * x.element_size() for _, x, _, _ in w.tensors if id(x) in stale)
-    if _in_update_parameters():
+    if updating_average():
         warn_at_caller(
             f"pw.Trainer: AveragedModel.update_parameters(model) after each of the last "
             f"{WARN_AT} steps copied the trained values ({nbytes / 2**20:.2f} MiB) from "

@@ -444,13 +444,12 @@ class Trainer:
     def _state(self, only=None, optimizer: bool = True) -> Dict[str, Any]:
         """``state_dict()``, with the module's tensors limited to the names ``only``,
         and without the optimizer's state unless ``optimizer``."""
+        model = {n: a.torch() for n, a in {**self.replicas[0], **self.fixed[0]}.items()
+                 if only is None or n in only}
         if not optimizer:
-            return {"model": {n: a.torch() for n, a in
-                              {**self.replicas[0], **self.fixed[0]}.items()
-                              if only is None or n in only}}
+            return {"model": model}
         return {
-            "model": {n: a.torch() for n, a in {**self.replicas[0], **self.fixed[0]}.items()
-                      if only is None or n in only},
+            "model": model,
             "optim": {n: {k: a.torch() for k, a in st.items()}      # frozen ones too
                       for n, st in {**self._parked[0], **self.states[0]}.items()},
             "steps": torch.tensor(self.steps),
