@@ -1,5 +1,6 @@
 """How an executor reads a one-device buffer to the host (``Transfers._host_parts``): in
-place where the device's memory is host memory, else by a copy. Real torch_xla in a
+place where the device's memory is host memory, else by a copy; and that the copy a
+checkpoint or a colocated function keeps (``_host_copy``) owns its memory. Real torch_xla in a
 child process (the device kind comes from PJRT_DEVICE there, as in an executor)."""
 
 import os
@@ -23,6 +24,13 @@ torch_xla.sync()
 torch_xla._XLAC._xla_wait_device_ops([])
 entry = Entry(t, None, t.numel() * 4, done=True)
 me = types.SimpleNamespace(torch=torch, torch_xla=torch_xla, spmd=False)
+if sys.argv[1] == "copy":
+    me._host_parts = lambda e: Transfers._host_parts(me, e)
+    c = Transfers._host_copy(me, entry)
+    assert torch.equal(c, expected), "wrong bytes"
+    shares = c.data_ptr() == torch_xla._XLAC._unsafe_buffer_pointer(t)
+    print("SHARES" if shares else "OWNS")
+    sys.exit(0)
 parts = Transfers._host_parts(me, entry)
 assert len(parts) == 1, parts
 p = parts[0]
@@ -47,3 +55,8 @@ def test_a_host_resident_buffer_is_read_in_place():
 
 def test_a_buffer_another_device_holds_is_copied_to_the_host():
     assert _host_parts("other") == "COPIED"
+
+
+def test_the_copy_a_checkpoint_keeps_owns_its_memory():
+    # a view would change under the next program that donates the buffer
+    assert _host_parts("copy") == "OWNS"

@@ -40,7 +40,7 @@ class CheckpointIO:
                 err = self._err("donated", f"buffer {b} to save as '{key}' was donated")
                 break
             try:
-                flat[key] = e.tensor.cpu()
+                flat[key] = self._host_copy(e)
             except Exception as ex:
                 err = self._err("program", f"computing '{key}' failed on {self.where}: {ex}",
                                 e.origin)

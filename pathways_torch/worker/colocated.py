@@ -161,7 +161,7 @@ def run_colocated(ex, req):
         if err is not None:
             return pb.ColocatedReply(has_error=True, error=err.error)
         try:
-            inputs.append(entry.tensor.cpu())
+            inputs.append(ex._host_copy(entry))
         except Exception as e:
             return pb.ColocatedReply(has_error=True, error=ex._read_failed(entry, e))
         finally:
