@@ -687,6 +687,39 @@ def test_a_tensor_kept_by_a_hook_or_a_forward_while_traced_warns(s2):
     torch.testing.assert_close(float(metrics["mean"]), h.mean().item(), rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("reparam", ["prune", "weight_norm", "spectral_norm"])
+def test_weights_that_torch_recomputes_before_each_forward_stay_real(s2, reparam):
+    """``nn.utils.prune`` (pruning tutorials), the older ``weight_norm`` and
+    ``spectral_norm`` (GAN code) keep the weight a forward pre-hook computes as a plain
+    attribute, so the trace left a FakeTensor there and warned as if the script had
+    stored it. Now the attribute holds real numbers, nothing warns, and training,
+    the spectral norm's power iteration (buffers written in the forward) and a CPU
+    forward afterwards equal torch's."""
+    import warnings
+
+    from torch.nn.utils import prune
+
+    def build(m):
+        if reparam == "prune":
+            prune.l1_unstructured(m[2], "weight", amount=0.5)
+        elif reparam == "weight_norm":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)     # deprecated, still used
+                nn.utils.weight_norm(m[2])
+        else:
+            nn.utils.spectral_norm(m[2])
+        return m
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        ref, model, _ = both(adam, n=3, s=s2, model=lambda: build(mlp()))
+    assert not [w for w in got if "stored while the step" in str(w.message)], \
+        [str(w.message) for w in got]
+    assert type(model[2].weight) is torch.Tensor
+    x = batches(1, seed=7)[0][0]
+    torch.testing.assert_close(model(x), ref(x), rtol=TOL, atol=TOL)
+
+
 def test_a_read_of_the_module_fetches_no_optimizer_state_and_one_of_the_state_does(s2):
     """A module read (an EMA, a client forward) needs the parameters only, a third of
     the bytes under Adam; ``optimizer.state[p]`` read directly (a logger of Adam's

@@ -98,10 +98,47 @@ def _places(model: torch.nn.Module, loss_fn: Any) -> Iterator[Tuple[str, str, An
             yield n, f"loss_fn {getattr(loss_fn, '__qualname__', loss_fn)!r}", v
 
 
+def _reparametrized(model: torch.nn.Module) -> Iterator[Tuple[torch.nn.Module, str, Any]]:
+    """(module, attribute, its forward pre-hook) for each tensor that torch's older
+    reparametrizations (``nn.utils.weight_norm``, ``spectral_norm``, ``prune``) compute
+    before every forward and keep as a plain attribute."""
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    for m in model.modules():
+        for h in m._forward_pre_hooks.values():
+            if isinstance(h, (WeightNorm, SpectralNorm)):
+                yield m, h.name, h
+            elif isinstance(h, BasePruningMethod):
+                yield m, h._tensor_name, h
+
+
+def _recompute(model: torch.nn.Module, fakes: tuple) -> None:
+    """Give back real values to the attributes of ``_reparametrized`` that the trace
+    left fake, computed from the module's weights as the hook computes them (the
+    user's code did not store them: no warning is due, and a CPU forward recomputes
+    them anyway)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    for m, name, h in _reparametrized(model):
+        if not isinstance(getattr(m, name, None), fakes):
+            continue
+        with torch.no_grad():      # called inside the Trainer's step: reads do not sync
+            if isinstance(h, WeightNorm):
+                value = h.compute_weight(m)
+            elif isinstance(h, SpectralNorm):
+                value = h.compute_weight(m, do_power_iteration=False)
+            else:
+                value = h.apply_mask(m)
+        setattr(m, name, value)
+
+
 def check(trainer: Any) -> None:
     """After a trace of ``trainer``'s programs: warn once for each place that now
-    holds a traced tensor."""
+    holds a traced tensor (after giving the values torch's own weight hooks keep
+    back, ``_recompute``)."""
     fakes = _fake_types()
+    _recompute(trainer.model, fakes)
     warned = trainer._watch.warned
     seen: Set[int] = set()
     for where, who, v in _places(trainer.model, trainer.loss_fn):
