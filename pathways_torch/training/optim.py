@@ -366,13 +366,23 @@ def _torch_step(cls, kws, params, grads, states, inputs) -> List[List[Dict]]:
                 t = ins[k]
                 g[k] = (tuple(Hyper(x, t[i]) for i, x in enumerate(g[k]))
                         if isinstance(g[k], tuple) else Hyper(g[k], t))
+    narrow = {}
     for ps, gs, sts in zip(params, grads, states):
         for p, grad, st in zip(ps, gs, sts):
             p.grad = grad
             if st:
                 opt.state[p] = dict(st)
+                step = st.get("step")
+                if p.dtype == torch.float64 and step is not None and step.dtype != p.dtype:
+                    # torch (not capturable) takes the count as a Python float: its
+                    # bias corrections are float64 math; a float32 count is exact, its
+                    # powers are not
+                    narrow[p] = step.dtype
+                    opt.state[p]["step"] = step.to(torch.float64)
     with torch.no_grad(), _TensorScalars(), _traceable(cls.__name__):
         opt.step()
+    for p, dtype in narrow.items():
+        opt.state[p]["step"] = opt.state[p]["step"].to(dtype)
     return [[opt.state[p] for p in ps] for ps in params]
 
 
@@ -607,9 +617,15 @@ class _TensorScalars(TorchFunctionMode):
 def scalars(opt: torch.optim.Optimizer, dynamic: frozenset = frozenset()
             ) -> List[Dict[str, torch.Tensor]]:
     """Each group's current learning rate (what a scheduler wrote) and hyperparameters
-    of ``dynamic``, as float32 inputs (0-d; ``betas``: one per beta)."""
+    of ``dynamic``, as inputs (0-d; ``betas``: one per beta): float32, or float64 for a
+    group that holds float64 parameters (torch applies a Python float there; an lr
+    rounded to float32 moved float64 training off torch's by 1e-7 a step)."""
+    def dtype(g: Dict) -> torch.dtype:
+        wide = any(p.dtype == torch.float64 for p in g["params"])
+        return torch.float64 if wide else torch.float32
+
     return [{k: torch.tensor([float(x) for x in v] if isinstance(v, (tuple, list))
-                             else float(v), dtype=torch.float32)
+                             else float(v), dtype=dtype(g))
              for k, v in g.items() if k == "lr" or k in dynamic}
             for g in opt.param_groups]
 

@@ -166,7 +166,8 @@ def forward_loss(model, loss_fn, options: Options, inputs, targets):
     ``reparametrized``)."""
     with autocast(options):
         loss, rest = loss_and_rest(call_model(model, inputs), targets, loss_fn)
-    return (loss.float() if loss.dtype != torch.float32 else loss), rest
+    # a half-precision loss is reported in float32; a float64 one stays float64, as in torch
+    return (loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss), rest
 
 
 def returned(loss: torch.Tensor, rest: Any) -> Any:
@@ -349,7 +350,8 @@ def grad_square_sum(grads: Dict[str, torch.Tensor], max_value: Optional[float] =
     """Sum of the squares of every gradient, value-clipped first when asked (a part of
     the global norm)."""
     grads = clip_values(grads, max_value)
-    return torch.stack([g.float().pow(2).sum() for g in grads.values()]).sum()
+    return torch.stack([(g.float() if g.dtype in (torch.float16, torch.bfloat16) else g)
+                        .pow(2).sum() for g in grads.values()]).sum()
 
 
 def clip_coef(square_sums: List[torch.Tensor], max_norm: float) -> torch.Tensor:
