@@ -180,14 +180,14 @@ def after_call(tr) -> None:
         for path in a.counted():
             if f"count:{path}" not in warned:
                 warned.add(f"count:{path}")
+                attr = path.rsplit('.', 1)[-1]
                 warn_at_caller(
                     f"pw.Trainer: model.{path} went up by one while the step was traced: "
                     "the forward counts in a Python attribute, which runs only while "
                     "tracing, so later steps leave it as it is (in torch every forward "
                     f"counts). Keep the count in a buffer (self.register_buffer("
-                    f"{path.rsplit('.', 1)[-1]!r}, torch.tensor(0)), then "
-                    f"self.{path.rsplit('.', 1)[-1]} += 1 in the forward): the step "
-                    "updates it every call", UserWarning)
+                    f"{attr!r}, torch.tensor(0)), then self.{attr} += 1 in the "
+                    "forward): the step updates it every call", UserWarning)
         a.record()
         a.traces = n
         leaks.check(tr)           # a traced tensor kept by the script's Python

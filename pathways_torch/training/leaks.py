@@ -21,7 +21,7 @@ beside the loss. Example of what it catches::
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator, List, Set, Tuple
+from typing import Any, Callable, Iterator, List, Set, Tuple
 
 import torch
 
@@ -98,19 +98,23 @@ def _places(model: torch.nn.Module, loss_fn: Any) -> Iterator[Tuple[str, str, An
             yield n, f"loss_fn {getattr(loss_fn, '__qualname__', loss_fn)!r}", v
 
 
-def _reparametrized(model: torch.nn.Module) -> Iterator[Tuple[torch.nn.Module, str, Any]]:
-    """(module, attribute, its forward pre-hook) for each tensor that torch's older
+def _reparametrized(model: torch.nn.Module
+                    ) -> Iterator[Tuple[torch.nn.Module, str, Callable[[], Any]]]:
+    """(module, attribute, how its hook computes it) for each tensor that torch's older
     reparametrizations (``nn.utils.weight_norm``, ``spectral_norm``, ``prune``) compute
-    before every forward and keep as a plain attribute."""
+    in a forward pre-hook and keep as a plain attribute."""
     from torch.nn.utils.prune import BasePruningMethod
     from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
     for m in model.modules():
         for h in m._forward_pre_hooks.values():
-            if isinstance(h, (WeightNorm, SpectralNorm)):
-                yield m, h.name, h
+            if isinstance(h, WeightNorm):
+                yield m, h.name, functools.partial(h.compute_weight, m)
+            elif isinstance(h, SpectralNorm):
+                yield m, h.name, functools.partial(h.compute_weight, m,
+                                                   do_power_iteration=False)
             elif isinstance(h, BasePruningMethod):
-                yield m, h._tensor_name, h
+                yield m, h._tensor_name, functools.partial(h.apply_mask, m)
 
 
 def _recompute(model: torch.nn.Module, fakes: tuple) -> None:
@@ -118,19 +122,10 @@ def _recompute(model: torch.nn.Module, fakes: tuple) -> None:
     left fake, computed from the module's weights as the hook computes them (the
     user's code did not store them: no warning is due, and a CPU forward recomputes
     them anyway)."""
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-    for m, name, h in _reparametrized(model):
-        if not isinstance(getattr(m, name, None), fakes):
-            continue
-        with torch.no_grad():      # called inside the Trainer's step: reads do not sync
-            if isinstance(h, WeightNorm):
-                value = h.compute_weight(m)
-            elif isinstance(h, SpectralNorm):
-                value = h.compute_weight(m, do_power_iteration=False)
-            else:
-                value = h.apply_mask(m)
-        setattr(m, name, value)
+    for m, name, compute in _reparametrized(model):
+        if isinstance(getattr(m, name, None), fakes):
+            with torch.no_grad():      # called inside the Trainer's step: reads do not sync
+                setattr(m, name, compute())
 
 
 def check(trainer: Any) -> None:

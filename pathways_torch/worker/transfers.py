@@ -200,15 +200,17 @@ class Transfers:
             whole[tuple(slice(s, s + n) for s, n in zip(start, b.shape))] = b
         return [whole]
 
-    def _host_copy(self, entry):
-        """``entry``'s buffer as one CPU tensor of its own (no view of device memory,
-        so it outlives the read): ``_host_parts``, joined. Twice as fast as ``.cpu()``
-        on a buffer split over devices, 1.3x on a replicated one."""
+    def _host_whole(self, entry):
+        """``entry``'s buffer as one CPU tensor: ``_host_parts``, joined (a one-device
+        buffer may still be a view of device memory: use it while the read is held)."""
         parts = self._host_parts(entry)
-        t = entry.tensor
-        if len(parts) > 1:
-            return self.torch.cat(parts)
-        whole = parts[0]
+        return parts[0] if len(parts) == 1 else self.torch.cat(parts)
+
+    def _host_copy(self, entry):
+        """``_host_whole`` as a tensor of its own (no view of device memory, so it
+        outlives the read). Twice as fast as ``.cpu()`` on a buffer split over
+        devices, 1.3x on a replicated one."""
+        whole, t = self._host_whole(entry), entry.tensor
         shares = t.device.type == "xla" and whole.numel() and not self.spmd and \
             whole.data_ptr() == self.torch_xla._XLAC._unsafe_buffer_pointer(t)
         return whole.clone() if shares else whole
@@ -391,8 +393,7 @@ class Transfers:
             else:
                 reading = True      # until sent: the payload may view device memory
                 if op.blocks:       # a piece of a move to a slice that spans hosts
-                    parts = self._host_parts(entry)
-                    cpu = parts[0] if len(parts) == 1 else self.torch.cat(parts)
+                    cpu = self._host_whole(entry)
                     validate.check_blocks(op.blocks, tuple(cpu.shape), "send")
                     payload = [codec.byte_view(
                         cpu[tuple(slice(s, s + n) for s, n in zip(b.start, b.shape))]
