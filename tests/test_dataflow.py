@@ -171,8 +171,11 @@ def test_errors_flow_along_the_dataflow_through_three_hops(slices):
         with pytest.raises(pw.ProgramError, match="explode") as info:
             arr.torch()
         assert info.value.program == "explode"
-    with pytest.raises(pw.ProgramError, match="explode"):
-        pw.wait([y])
+    for what in ([y], y, {"out": (head(y), [y])}):     # one Array or any nesting of them
+        with pytest.raises(pw.ProgramError, match="explode"):
+            pw.wait(what)
+    with pytest.raises(TypeError, match="pw.wait takes pw.Arrays"):
+        pw.wait([pw.put(torch.ones(2), a), torch.ones(2)])
     # the cluster stays usable, on the same slices
     torch.testing.assert_close(head(pw.put(torch.ones(6), a).to(d)).torch(), torch.full((4,), 2.0))
 

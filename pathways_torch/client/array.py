@@ -14,12 +14,14 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from .. import tracing
+from .._trees import plain_batch
 from ..errors import OutOfMemoryError, PlacementError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
@@ -298,20 +300,24 @@ def _move_pieces(a: Array, dst: "runtime.Slice", spec: P, t0: int) -> Array:
                  f"a transfer of {a._origin}")
 
 
-def wait(arrays: Iterable[Array], timeout: Optional[float] = None) -> None:
+def wait(arrays: Any, timeout: Optional[float] = None) -> None:
     """Block until every Array exists; raise the first failure (with its program's name).
 
-    ``timeout`` (seconds, default ``pw.init``'s) bounds the whole call; past it,
-    ``pw.TimeoutError`` says which Array was not ready.
+    ``arrays`` is one Array or any nesting of lists, tuples and dicts of them (what a
+    program returned), as JAX's ``block_until_ready`` takes. ``timeout`` (seconds,
+    default ``pw.init``'s) bounds the whole call; past it, ``pw.TimeoutError`` says
+    which Array was not ready.
 
     Example::
 
         pw.wait([y, z], timeout=30)
+        pw.wait(step(params, batch))          # a dict of Arrays
     """
     groups: dict = {}
-    for a in arrays:
+    for a in pytree.tree_leaves(plain_batch(arrays)):
         if not isinstance(a, Array):
-            raise TypeError(f"pw.wait takes pw.Arrays, got {type(a).__name__}")
+            raise TypeError(f"pw.wait takes pw.Arrays (one, or lists, tuples and dicts "
+                            f"of them), got {type(a).__name__}")
         a._check_usable()
         g = groups.setdefault(id(a._conn), {"conn": a._conn, "ids": [], "seq": 0,
                                             "what": a._what()})

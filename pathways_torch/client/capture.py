@@ -348,7 +348,7 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args,
         info["statics"] = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
-    table = {**_decompositions(), **lowerings.table(device)}
+    table = {**_decompositions(), **lowerings.table()}
     try:
         with _compiling(), _quiet("torch._subclasses.fake_tensor"), remat.tagging():
             joint = make_fx(flat_fn, tracing_mode="fake", decomposition_table=table,

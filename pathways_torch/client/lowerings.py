@@ -18,7 +18,7 @@ where torch would raise).
 
 Example::
 
-    table = lowerings.table(device)    # {op overload: python decomposition}
+    table = lowerings.table()    # {op overload: python decomposition}
 """
 
 from __future__ import annotations
@@ -309,13 +309,13 @@ def _no_check(*args, **kwargs) -> None:
     return None
 
 
-def table(device) -> Dict[object, Callable]:
+def table() -> Dict[object, Callable]:
     """The decompositions for the ops that exist in this process (a library's custom
-    ops exist once it is imported), where torch_xla on ``device`` lacks them."""
+    ops exist once it is imported): ops torch_xla lacks, or lowers with other numbers
+    than torch."""
     from . import dft, resample, special
     aten = torch.ops.aten
-    out: Dict[object, Callable] = {op: f for op, f in resample.table().items()
-                                   if not resample.lowered_on(op, str(device))}
+    out: Dict[object, Callable] = dict(resample.table())
     out.update({
         aten.histc.default: histc,
         aten._weight_norm_interface_backward.default: weight_norm_backward,
