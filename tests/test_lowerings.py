@@ -7,8 +7,8 @@ lgamma/digamma (torch.distributions), torch.fft, scatter_reduce with include_sel
 or "mean", CTC loss, quantile, nn.Embedding(max_norm=), addmm with beta or alpha...), and
 some it lowers with other numbers than torch (a comparison with a Python float, made in
 double; the 2-d interpolation forwards, which ignore a scale_factor and on the CPU get
-some sizes wrong). Capture computes each from
-ops XLA has (lowerings.py, resample.py). Every case runs the same function in a program
+some sizes wrong; average pooling with a divisor_override). Capture computes each from
+ops XLA has (lowerings.py, resample.py, pooling.py). Every case runs the same function in a program
 and in plain torch on the CPU, same input and the same random output weighting, and
 compares the value and the input's gradient: within 1e-5, or the looser bound
 ``TOLERANCE`` states (float32 rounding of larger values or of O(n^2) sums, 5e-5 at most). An op that still has no formula is refused by name, and the session
@@ -77,6 +77,16 @@ CASES = {
         x, scale_factor=1.5, mode="bicubic", align_corners=True), IMG),
     "interpolate nearest-exact": (lambda x: F.interpolate(x, size=(12, 5),
                                                           mode="nearest-exact"), IMG),
+    # torch_xla's average pooling runs its backward on the CPU with ceil_mode and
+    # count_include_pad (an odd map), and with a divisor_override, whose forward it ignores
+    "avg_pool2d, ceil_mode (odd map)": (lambda x: F.avg_pool2d(x[..., :7, :7], 2,
+                                                               ceil_mode=True), IMG),
+    "avg_pool2d, divisor_override": (lambda x: F.avg_pool2d(x, 3, 2, 1,
+                                                            divisor_override=2), IMG),
+    "avg_pool3d, ceil_mode": (lambda x: F.avg_pool3d(x[:, None], (2, 3, 3), (2, 2, 3), 1,
+                                                     ceil_mode=True), IMG),
+    "avg_pool1d, ceil_mode": (lambda x: F.avg_pool1d(x.flatten(2), 4, 3, 1,
+                                                     ceil_mode=True), IMG),
     "grid_sample bilinear": (lambda x: F.grid_sample(x, GRID, align_corners=False), IMG),
     "grid_sample nearest, border": (lambda x: F.grid_sample(
         x, GRID, mode="nearest", padding_mode="border", align_corners=True), IMG),

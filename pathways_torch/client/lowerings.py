@@ -7,7 +7,8 @@ computes them. Capture decomposes these while it records the graph, so the progr
 only ops XLA compiles. The ones here are what mixture-of-experts layers use (Hugging
 Face's default ``grouped_mm`` experts path: ``torch.histc`` to count tokens per expert,
 then a grouped matmul over the rows sorted by expert), the backward of a
-weight-normed layer, a median along a dimension, interpolation (resample.py), lgamma, digamma and
+weight-normed layer, a median along a dimension, interpolation (resample.py), average
+pooling with options XLA lacks (pooling.py), lgamma, digamma and
 polygamma (special.py; torch.distributions needs them), torch.fft (dft.py), a few
 elementwise functions (``exp2``, ``hypot``, ``fmax``, ``signbit``, ``round(decimals=)``),
 cumulative ``cummin`` and ``logcumsumexp``, ``nn.Embedding(max_norm=)``'s renorm,
@@ -313,9 +314,9 @@ def table() -> Dict[object, Callable]:
     """The decompositions for the ops that exist in this process (a library's custom
     ops exist once it is imported): ops torch_xla lacks, or lowers with other numbers
     than torch."""
-    from . import dft, resample, special
+    from . import dft, pooling, resample, special
     aten = torch.ops.aten
-    out: Dict[object, Callable] = dict(resample.table())
+    out: Dict[object, Callable] = {**resample.table(), **pooling.table()}
     out.update({
         aten.histc.default: histc,
         aten._weight_norm_interface_backward.default: weight_norm_backward,
