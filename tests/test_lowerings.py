@@ -118,6 +118,11 @@ CASES = {
     "ctc_loss, concatenated targets, mean": (lambda x: F.ctc_loss(
         x.log_softmax(-1), torch.cat([CTC_TARGETS[0], CTC_TARGETS[1, :2]]),
         torch.tensor([10, 7, 4]), torch.tensor([4, 2, 0])), LOGITS),
+    # torch's gradient on log-probabilities that are not normalized is its kernel's
+    # convention (exp(log_probs) minus the occupancy), not the plain derivative
+    "ctc_loss, raw scores (not log_softmax)": (lambda x: F.ctc_loss(
+        x, CTC_TARGETS, torch.tensor([10, 7, 4]), torch.tensor([4, 2, 0]),
+        reduction="none"), LOGITS),
     "nn.CTCLoss, zero_infinity (an impossible alignment)": (lambda x: nn.CTCLoss(
         blank=4, zero_infinity=True)(x.log_softmax(-1), CTC_TARGETS.clamp(max=3),
                                      (10, 3, 9), (4, 4, 3)), LOGITS),

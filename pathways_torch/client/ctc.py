@@ -5,10 +5,11 @@ in a trace) and torch_xla has no lowering for it. Here the lengths are tensors u
 masks: the forward (alpha) recursion runs over every frame of the padded batch, one
 step per frame unrolled in the graph (T steps of a few ops), and frames past a sample's
 input length leave its alphas unchanged. The gradient comes from autograd through the
-recursion; through a ``log_softmax`` it equals torch's (torch's kernel returns the
-gradient with respect to the logits' softmax, whose difference from the plain
-derivative a ``log_softmax`` cancels). Float64 within 1e-15 of torch, values and
-gradients; impossible alignments give inf, or 0 with ``zero_infinity``.
+recursion, plus exp(log_probs) over each sample's frames: torch's kernel returns that
+(the gradient with respect to the logits through a ``log_softmax``, whose backward
+leaves it as is), so log-probabilities that are not normalized get torch's gradient
+too. Float64 within 1e-15 of torch, values and gradients; impossible alignments give
+inf, or 0 with ``zero_infinity``.
 
 Example::
 
@@ -79,6 +80,12 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reducti
     last = alpha.gather(1, end)
     prev = torch.where((tl > 0).unsqueeze(1), alpha.gather(1, (end - 1).clamp_min(0)), ninf)
     loss = -_logsumexp0(torch.cat([last, prev], 1).T)
+    # torch's kernel returns exp(log_probs) minus the alignments' occupancy as the
+    # gradient, autograd of the recursion the occupancy alone: a term of value 0 whose
+    # gradient is exp(log_probs) over each sample's frames makes them agree on any input
+    e = log_probs.exp()
+    frames = (torch.arange(T, device=dev).unsqueeze(1) < il).unsqueeze(2)
+    loss = loss + torch.where(frames, e - e.detach(), torch.zeros_like(e)).sum((0, 2))
     if zero_infinity:
         loss = torch.where(torch.isinf(loss), torch.zeros_like(loss), loss)
     if reduction == "mean":
