@@ -87,6 +87,23 @@ CASES = {
                                                      ceil_mode=True), IMG),
     "avg_pool1d, ceil_mode": (lambda x: F.avg_pool1d(x.flatten(2), 4, 3, 1,
                                                      ceil_mode=True), IMG),
+    # adaptive pooling to sizes that do not divide the input, which torch_xla runs on
+    # the CPU (and 3-d max pooling, which it lacks): torch's windows and first maxima
+    "adaptive_avg_pool1d, 8 to 5": (lambda x: F.adaptive_avg_pool1d(x[..., 0, :], 5), IMG),
+    "adaptive_avg_pool2d, 8x8 to 3x5": (lambda x: F.adaptive_avg_pool2d(x, (3, 5)), IMG),
+    "adaptive_avg_pool3d, 3x8x8 to 2x5x3": (lambda x: F.adaptive_avg_pool3d(
+        x[:, None], (2, 5, 3)), IMG),
+    "interpolate area 1-d, 8 to 3": (lambda x: F.interpolate(x[..., 0, :], size=3,
+                                                             mode="area"), IMG),
+    "adaptive_max_pool1d, 8 to 3": (lambda x: F.adaptive_max_pool1d(x[..., 0, :], 3), IMG),
+    "adaptive_max_pool2d, 8x8 to 3x5, indices": (lambda x: torch.cat([
+        F.adaptive_max_pool2d(x, (3, 5), return_indices=True)[0],
+        F.adaptive_max_pool2d(x, (3, 5), return_indices=True)[1].float()], -1), IMG),
+    "adaptive_max_pool3d, 3x8x8 to 2x4x4 (divides)": (lambda x: F.adaptive_max_pool3d(
+        x[:, None], (3, 4, 4)), IMG),
+    "adaptive_max_pool3d, 3x8x8 to 2x5x3, ties (each value twice)": (
+        lambda x: F.adaptive_max_pool3d(x[:, None].repeat_interleave(2, -1)[..., :8],
+                                        (2, 5, 3)), IMG),
     "grid_sample bilinear": (lambda x: F.grid_sample(x, GRID, align_corners=False), IMG),
     "grid_sample nearest, border": (lambda x: F.grid_sample(
         x, GRID, mode="nearest", padding_mode="border", align_corners=True), IMG),

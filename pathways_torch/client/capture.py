@@ -440,8 +440,6 @@ def _check_ops(gm, name: str, device) -> None:
         short = op.name().replace("aten::", "torch.").replace("prims::", "torch.")
         if _lacks_kernel(op):
             raise _no_lowering(name, short)
-        if op in _adaptive_pools():
-            _check_adaptive(node, name)
         if op.overloadpacket in _same_dtype_ops():
             _check_same_dtype(node, name, short)
         inner = _falls_back(op, node, device)
@@ -481,30 +479,6 @@ def _check_same_dtype(node, name: str, short: str) -> None:
             "operands must have one dtype): cast the inputs to the model's dtype "
             "(x.half() for a model.half()), or use torch.autocast / "
             "Trainer(precision='bf16') for mixed precision")
-
-
-def _adaptive_pools() -> set:
-    a = torch.ops.aten
-    return {a._adaptive_avg_pool2d.default, a._adaptive_avg_pool3d.default,
-            a.adaptive_max_pool2d.default, a.adaptive_max_pool3d.default}
-
-
-def _check_adaptive(node, name: str) -> None:
-    """torch_xla lowers an adaptive pooling only when the output size divides the
-    input's; otherwise it runs it on the CPU (the 2-d ones are rewritten before this,
-    torch_paths.py): refused with what to do instead of killing the process."""
-    x, out = node.args[0].meta.get("val"), node.meta.get("val")
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    if x is None or out is None:
-        return
-    k = len(node.args[1])
-    ins, outs = tuple(x.shape[-k:]), tuple(out.shape[-k:])
-    if any(i % o for i, o in zip(ins, outs)):
-        raise TraceError(
-            f"program '{name}' pools {list(ins)} to {list(outs)} with "
-            f"{node.target.name().replace('aten::', 'torch.')}, which XLA runs only when "
-            "the output size divides the input's: choose such a size (or a 2-d adaptive "
-            "pooling without return_indices, which pathways_torch rewrites)")
 
 
 class _Replay(torch.fx.Interpreter):

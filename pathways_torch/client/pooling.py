@@ -1,4 +1,6 @@
-"""Average pooling (``F.avg_pool1d/2d/3d``) as strided slices and sums, for the options
+"""Pooling that torch_xla does not compute, by formulas of ops XLA lowers.
+
+**Average pooling** (``F.avg_pool1d/2d/3d``) as strided slices and sums, for the options
 torch_xla does not compute: ``divisor_override``, and ``ceil_mode`` with
 ``count_include_pad``. For those torch_xla's forward ignores the divisor (a 2x2
 pool with ``divisor_override=2`` came out halved) and its backward runs on the CPU,
@@ -12,9 +14,19 @@ So the forward is a few strided slices of the zero-padded input added up and div
 and the backward places each output's gradient over divisor back on its window (its
 transpose): ops XLA lowers, with torch's numbers.
 
+**Adaptive pooling** (``F.adaptive_avg_pool1d/2d/3d``, ``F.adaptive_max_pool1d/2d/3d``,
+``F.interpolate(mode="area")``) to a size that does not divide the input (VGG's
+``AdaptiveAvgPool2d((7, 7))`` on small images): torch_xla runs those on the CPU, and
+has no 3-d adaptive max pooling at all. Output ``i`` of ``n`` over ``N`` inputs reads
+torch's window ``[floor(i N / n), ceil((i + 1) N / n))``: the average is a matmul per
+dimension with those windows' weights; the max gathers every window, takes the first
+maximum's flat index (torch's ``indices``) and reads the input there, so the backward
+adds each gradient at its index, as torch's does.
+
 Example::
 
     y = pooling.avg_pool(x, [2, 2], [2, 2], [0, 0], True, True, None, k=2)
+    out, idx = pooling.adaptive_max_pool(x, [5, 7])
 """
 
 from __future__ import annotations
@@ -133,11 +145,125 @@ def _add_strided(gp: torch.Tensor, share: torch.Tensor, dim0: int,
     return gp + share
 
 
+# ------------------------------------------------------------------ adaptive pooling
+
+def _bounds(n: int, N: int, i: int) -> Tuple[int, int]:
+    """torch's adaptive window of output ``i`` of ``n`` over ``N`` inputs."""
+    return (i * N) // n, -((-(i + 1) * N) // n)
+
+
+def _uneven(x: torch.Tensor, outs: Sequence[int]) -> bool:
+    return any(N % n for N, n in zip(x.shape[-len(outs):], outs))
+
+
+def adaptive_avg_pool(x: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    """``aten._adaptive_avg_pool{k}d``: one matmul per dimension with its windows'
+    weights (``1 / len``)."""
+    outs = list(output_size)
+    if not _uneven(x, outs):
+        return NotImplemented                  # XLA's own
+    k = len(outs)
+    for d, n in enumerate(outs):
+        dim = x.dim() - k + d
+        x = torch.movedim(torch.movedim(x, dim, -1) @ _averaging(n, x.shape[dim], x).T,
+                          -1, dim)
+    return x
+
+
+def adaptive_avg_pool_backward(grad: torch.Tensor, x: torch.Tensor, k: int) -> torch.Tensor:
+    """Its backward (``k`` spatial dimensions): the gradient through the transposed
+    matmuls."""
+    outs = list(grad.shape[-k:])
+    if not _uneven(x, outs):
+        return NotImplemented
+    for d, n in enumerate(outs):
+        dim = grad.dim() - k + d
+        grad = torch.movedim(
+            torch.movedim(grad, dim, -1) @ _averaging(n, x.shape[dim], grad), -1, dim)
+    return grad
+
+
+def _averaging(n: int, N: int, like: torch.Tensor) -> torch.Tensor:
+    """[n, N]: row i averages output i's window."""
+    a = np.zeros((n, N))
+    for i in range(n):
+        lo, hi = _bounds(n, N, i)
+        a[i, lo:hi] = 1.0 / (hi - lo)
+    return torch.tensor(a, dtype=like.dtype, device=like.device)
+
+
+def _flat_windows(ins: Sequence[int], outs: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """[*outs, P]: the flat input index of every position of every output's window
+    (row-major over the spatial dimensions, as torch's ``indices``), and whether it is
+    inside the window (shorter windows repeat their last position)."""
+    k = len(outs)
+    flat = np.zeros(tuple(outs) + (1,) * k, dtype=np.int64)
+    valid = np.ones(tuple(outs) + (1,) * k, dtype=bool)
+    stride = 1
+    for d in reversed(range(k)):
+        n, N = outs[d], ins[d]
+        wins = [range(*_bounds(n, N, i)) for i in range(n)]
+        K = max(len(w) for w in wins)
+        idx = np.array([list(w) + [w[-1]] * (K - len(w)) for w in wins])
+        ok = np.array([[j < len(w) for j in range(K)] for w in wins])
+        shape = [1] * (2 * k)
+        shape[d], shape[k + d] = n, K
+        flat = flat + idx.reshape(shape) * stride
+        valid = valid & ok.reshape(shape)
+        stride *= N
+    P = int(np.prod(flat.shape[k:]))
+    return flat.reshape(tuple(outs) + (P,)), valid.reshape(tuple(outs) + (P,))
+
+
+def adaptive_max_pool(x: torch.Tensor, output_size: Sequence[int], force: bool = False):
+    """``aten.adaptive_max_pool{k}d``: (the maxima, their flat indices)."""
+    outs = list(output_size)
+    if not (force or _uneven(x, outs)):
+        return NotImplemented
+    k = len(outs)
+    lead = list(x.shape[:-k])
+    flat, valid = _flat_windows(list(x.shape[-k:]), outs)
+    xs = x.flatten(-k)
+    flat_t = torch.tensor(flat, device=x.device)
+    windows = xs[..., flat_t.reshape(-1)].reshape(lead + list(flat.shape))
+    low = torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
+    windows = torch.where(torch.tensor(valid, device=x.device), windows, low)
+    first = windows.argmax(-1, keepdim=True)
+    index = flat_t.expand(lead + list(flat.shape)).gather(-1, first).squeeze(-1)
+    out = xs.gather(-1, index.flatten(-k)).reshape(index.shape)
+    return out, index
+
+
+def adaptive_max_pool_backward(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor,
+                               k: int, force: bool = False):
+    """Its backward (``k`` spatial dimensions): every output's gradient added at its
+    index."""
+    if not (force or _uneven(x, list(grad.shape[-k:]))):
+        return NotImplemented
+    xs = torch.zeros(list(x.shape[:-k]) + [int(np.prod(x.shape[-k:]))], dtype=grad.dtype,
+                     device=grad.device)
+    return xs.scatter_add(-1, index.flatten(-k), grad.flatten(-k)).reshape(x.shape)
+
+
 def table() -> dict:
     """{aten op: formula} for average pooling in 2 and 3 dimensions (1-d pooling is
-    2-d pooling in torch) and their backwards."""
+    2-d pooling in torch), adaptive pooling, and their backwards."""
     aten = torch.ops.aten
-    out = {}
+    out = {
+        aten._adaptive_avg_pool2d.default: adaptive_avg_pool,
+        aten._adaptive_avg_pool3d.default: adaptive_avg_pool,
+        aten._adaptive_avg_pool2d_backward.default:
+            lambda g, x: adaptive_avg_pool_backward(g, x, 2),
+        aten._adaptive_avg_pool3d_backward.default:
+            lambda g, x: adaptive_avg_pool_backward(g, x, 3),
+        aten.adaptive_max_pool2d.default: adaptive_max_pool,
+        aten.adaptive_max_pool2d_backward.default:
+            lambda g, x, i: adaptive_max_pool_backward(g, x, i, 2),
+        # XLA has no 3-d adaptive max pooling, even where the sizes divide
+        aten.adaptive_max_pool3d.default: lambda x, size: adaptive_max_pool(x, size, True),
+        aten.adaptive_max_pool3d_backward.default:
+            lambda g, x, i: adaptive_max_pool_backward(g, x, i, 3, True),
+    }
     for k in (2, 3):
         def fwd(x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
                 divisor_override=None, _k=k):

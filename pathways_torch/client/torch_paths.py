@@ -12,12 +12,6 @@ a CPU, some of which XLA cannot lower:
   nested tensors change: the encoder's outputs at padded positions are zeros when
   torch takes that path (a data-dependent choice: only when every row's padding is at
   its end). ``_encoder_forward`` computes exactly that with ``torch.where``.
-- **Adaptive pooling to a size that does not divide the input** (VGG's and AlexNet's
-  ``AdaptiveAvgPool2d((7, 7))`` on small images): torch_xla runs it on the CPU, which
-  on a placeholder aborted the client. ``F.adaptive_avg_pool2d`` becomes two matmuls
-  with torch's averaging windows and ``F.adaptive_max_pool2d`` a max over gathered
-  windows (their gradients follow by autograd; equal maxima in one window share the
-  gradient, where torch gives it to the first); sizes that divide keep XLA's own.
 - **Sparse gradients.** ``nn.Embedding(sparse=True)`` (and ``embedding_bag``) make
   sparse gradients, which XLA has no tensors for. They are traced dense: the same
   numbers with every optimizer that accepts sparse ones (SGD, Adagrad).
@@ -90,24 +84,6 @@ def traceable() -> Iterator[None]:
                                 is_causal)
 
     embedding, embedding_bag = F.embedding, F.embedding_bag
-    avg_pool, max_pool = F.adaptive_avg_pool2d, F.adaptive_max_pool2d
-
-    def adaptive_avg_pool2d(input, output_size):
-        out = _out_size(input, output_size)
-        if out is None:
-            return avg_pool(input, output_size)
-        (h, H), (w, W) = out
-        return torch.einsum("hH,...HW,wW->...hw", _averaging(h, H, input),
-                            input, _averaging(w, W, input))
-
-    def adaptive_max_pool2d(input, output_size, return_indices=False):
-        out = _out_size(input, output_size)
-        if out is None or return_indices:
-            return max_pool(input, output_size, return_indices)
-        (h, H), (w, W) = out
-        rows = input[..., _window_index(h, H), :].amax(-2)          # [..., h, W]
-        return rows[..., _window_index(w, W)].amax(-1)              # [..., h, w]
-
     def dense_embedding(*args, **kwargs):
         return embedding(*_not_sparse(embedding, args, kwargs))
 
@@ -133,12 +109,10 @@ def traceable() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(False)
         encoder.forward = forward
         F.embedding, F.embedding_bag = dense_embedding, dense_embedding_bag
-        F.adaptive_avg_pool2d, F.adaptive_max_pool2d = adaptive_avg_pool2d, adaptive_max_pool2d
         try:
             yield
         finally:
             F.embedding, F.embedding_bag = embedding, embedding_bag
-            F.adaptive_avg_pool2d, F.adaptive_max_pool2d = avg_pool, max_pool
             encoder.forward = original
             torch.backends.mha.set_fastpath_enabled(fastpath)
             torch._C._set_mkldnn_enabled(mkldnn)
@@ -183,41 +157,6 @@ class _Formulas(torch.overrides.TorchFunctionMode):
             if out is not NotImplemented:
                 return out
         return func(*args, **kwargs)
-
-
-def _out_size(input, output_size):
-    """((h, H), (w, W)) of an adaptive 2-d pooling from HxW to hxw when one of them
-    does not divide (torch_xla's own lowering covers the rest), else None."""
-    if input.dim() not in (3, 4):
-        return None
-    H, W = input.shape[-2:]
-    size = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
-    h, w = (H if size[0] is None else size[0]), (W if size[1] is None else size[1])
-    if H % h == 0 and W % w == 0:
-        return None
-    return (h, H), (w, W)
-
-
-def _bounds(n: int, N: int, i: int):
-    """torch's adaptive window of output ``i`` of ``n`` over ``N`` inputs."""
-    return (i * N) // n, -((-(i + 1) * N) // n)
-
-
-def _averaging(n: int, N: int, like: torch.Tensor) -> torch.Tensor:
-    """[n, N]: row i averages output i's window."""
-    a = torch.zeros(n, N, dtype=like.dtype)
-    for i in range(n):
-        lo, hi = _bounds(n, N, i)
-        a[i, lo:hi] = 1.0 / (hi - lo)
-    return a
-
-
-def _window_index(n: int, N: int) -> torch.Tensor:
-    """[n, K]: the inputs of each output's window, the last one repeated up to the
-    longest window K (a repeat does not change a max)."""
-    wins = [list(range(*_bounds(n, N, i))) for i in range(n)]
-    k = max(len(x) for x in wins)
-    return torch.tensor([x + [x[-1]] * (k - len(x)) for x in wins], dtype=torch.long)
 
 
 def _not_sparse(fn, args, kwargs):
