@@ -104,6 +104,12 @@ CASES = {
     "adaptive_max_pool3d, 3x8x8 to 2x5x3, ties (each value twice)": (
         lambda x: F.adaptive_max_pool3d(x[:, None].repeat_interleave(2, -1)[..., :8],
                                         (2, 5, 3)), IMG),
+    "max_pool2d, dilation, padding, ceil_mode, indices": (lambda x: torch.cat([
+        F.max_pool2d(x, 3, 2, 1, dilation=2, ceil_mode=True, return_indices=True)[0],
+        F.max_pool2d(x, 3, 2, 1, dilation=2, ceil_mode=True, return_indices=True)[1]
+        .float()], -1), IMG),
+    "max_pool3d, dilation": (lambda x: F.max_pool3d(x[:, None], (2, 3, 2), 1,
+                                                    dilation=(1, 2, 3)), IMG),
     "grid_sample bilinear": (lambda x: F.grid_sample(x, GRID, align_corners=False), IMG),
     "grid_sample nearest, border": (lambda x: F.grid_sample(
         x, GRID, mode="nearest", padding_mode="border", align_corners=True), IMG),
@@ -111,6 +117,14 @@ CASES = {
         x, GRID, mode="bicubic", padding_mode="reflection", align_corners=False), IMG),
     "cdist p=2 (differences)": (lambda x: torch.cdist(x, x.flip(0) + 0.5), VEC),
     "cdist p=2 (matmul, 32 rows)": (lambda x: torch.cdist(torch.cat([x * k for k in (1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8)]), x[:2]), VEC),
+    "pdist p=2": (lambda x: F.pdist(x), VEC),
+    "pdist p=3, a repeated row (distance 0)": (lambda x: torch.pdist(
+        torch.cat([x, x[:1]]), p=3), VEC),
+    "cov": (lambda x: torch.cov(x), VEC),
+    "cov, fweights and aweights": (lambda x: x.T.cov(correction=0, fweights=torch.tensor(
+        [1, 3, 2, 1]), aweights=torch.tensor([0.5, 1.0, 2.0, 0.25])), VEC),
+    "corrcoef": (lambda x: torch.corrcoef(x), VEC),
+    "sgn and angle of a real tensor": (lambda x: torch.sgn(x) * x + torch.angle(x), VEC),
     "cdist p=1": (lambda x: torch.cdist(x, x[:3], p=1), VEC),
     "cdist p=3": (lambda x: torch.cdist(x, x[:3] + 1, p=3), VEC),
     "det": (lambda x: torch.linalg.det(x), SQ),

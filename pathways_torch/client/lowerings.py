@@ -8,7 +8,7 @@ only ops XLA compiles. The ones here are what mixture-of-experts layers use (Hug
 Face's default ``grouped_mm`` experts path: ``torch.histc`` to count tokens per expert,
 then a grouped matmul over the rows sorted by expert), the backward of a
 weight-normed layer, a median along a dimension, interpolation (resample.py), average
-pooling with options XLA lacks (pooling.py), lgamma, digamma and
+pooling with options XLA lacks (pooling.py), covariance (covariance.py), lgamma, digamma and
 polygamma (special.py; torch.distributions needs them), torch.fft (dft.py), a few
 elementwise functions (``exp2``, ``hypot``, ``fmax``, ``signbit``, ``round(decimals=)``),
 cumulative ``cummin`` and ``logcumsumexp``, ``nn.Embedding(max_norm=)``'s renorm,
@@ -306,6 +306,20 @@ def batch_norm_backward_eval(grad_out, input, weight, running_mean, running_var,
                                       save_mean, save_invstd, train, eps, output_mask)
 
 
+def efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """The zeros some derivatives return (``torch.sgn``'s on real inputs): a plain
+    zero tensor, which XLA has (torch's is a lazily allocated one)."""
+    return torch.zeros(size, dtype=dtype, device=device)
+
+
+def angle(x):
+    """torch.angle of a real tensor: pi where it is negative, else 0 (NaN stays)."""
+    if x.is_complex() or not x.is_floating_point():
+        return NotImplemented
+    out = torch.where(x < 0, torch.full_like(x, math.pi), torch.zeros_like(x))
+    return torch.where(torch.isnan(x), x, out)
+
+
 def _no_check(*args, **kwargs) -> None:
     return None
 
@@ -337,6 +351,8 @@ def table() -> Dict[object, Callable]:
         aten._linalg_check_errors.default: _no_check,
         aten.native_batch_norm_backward.default: batch_norm_backward_eval,
         aten.searchsorted.Tensor: searchsorted,
+        aten._efficientzerotensor.default: efficient_zeros,
+        aten.angle.default: angle,
         aten.scatter_reduce.two: scatter_reduce,
         aten.addmm.default: addmm,
         **{getattr(aten, name).Scalar: _compare_scalar(getattr(aten, name).Scalar)
@@ -399,9 +415,22 @@ def cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
         d2 = (x1.pow(2).sum(-1, keepdim=True) - 2 * x1 @ x2.mT
               + x2.pow(2).sum(-1).unsqueeze(-2)).clamp_min(0)
         return _safe_root(d2, 2.0)
-    diff = (x1.unsqueeze(-2) - x2.unsqueeze(-3)).abs()
+    return _pnorm((x1.unsqueeze(-2) - x2.unsqueeze(-3)).abs(), p)
+
+
+def pdist(input, p=2.0):
+    """F.pdist: the distances of every pair of rows i < j, row by row, from their
+    differences as torch's kernel computes them (XLA lacks its backward: a
+    uniformity loss could not train)."""
+    i, j = torch.triu_indices(input.shape[0], input.shape[0], 1)
+    return _pnorm((input[i] - input[j]).abs(), p)
+
+
+def _pnorm(diff, p):
+    """The p-norm over the last dimension of absolute differences, with a zero
+    gradient at distance 0 as torch's distance kernels."""
     if p == 0:
-        return (diff != 0).sum(-1).to(x1.dtype)
+        return (diff != 0).sum(-1).to(diff.dtype)
     if p == math.inf:
         return diff.amax(-1)
     if p == 1:
@@ -647,10 +676,13 @@ def above_autograd() -> Dict[Callable, Callable]:
     """{public torch function: formula}, applied while a program is traced."""
     import torch.nn.functional as F
 
-    from . import ctc
+    from . import covariance, ctc
     return {
         F.grid_sample: grid_sample,
         torch.cdist: cdist,
+        F.pdist: pdist, torch.pdist: pdist,
+        torch.cov: covariance.cov, torch.Tensor.cov: covariance.cov,
+        torch.corrcoef: covariance.corrcoef, torch.Tensor.corrcoef: covariance.corrcoef,
         torch.linalg.solve: solve,
         torch.linalg.slogdet: slogdet, torch.slogdet: slogdet, torch.Tensor.slogdet: slogdet,
         torch.linalg.det: det, torch.det: det, torch.Tensor.det: det,

@@ -23,6 +23,9 @@ dimension with those windows' weights; the max gathers every window, takes the f
 maximum's flat index (torch's ``indices``) and reads the input there, so the backward
 adds each gradient at its index, as torch's does.
 
+**Dilated max pooling** (``F.max_pool2d/3d(dilation=...)``), which torch_xla runs on
+the CPU: the same gathered windows, padding never the maximum.
+
 Example::
 
     y = pooling.avg_pool(x, [2, 2], [2, 2], [0, 0], True, True, None, k=2)
@@ -192,37 +195,41 @@ def _averaging(n: int, N: int, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(a, dtype=like.dtype, device=like.device)
 
 
-def _flat_windows(ins: Sequence[int], outs: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+def _flat_windows(ins: Sequence[int],
+                  wins: Sequence[Sequence[Sequence[int]]]) -> Tuple[np.ndarray, np.ndarray]:
     """[*outs, P]: the flat input index of every position of every output's window
     (row-major over the spatial dimensions, as torch's ``indices``), and whether it is
-    inside the window (shorter windows repeat their last position)."""
-    k = len(outs)
+    a position of the window; ``wins[d][i]`` lists the input positions output ``i``
+    reads along dimension ``d`` (-1 and past the end: padding). Shorter windows and
+    padding read a real position of the window and are marked invalid."""
+    k = len(wins)
+    outs = [len(w) for w in wins]
     flat = np.zeros(tuple(outs) + (1,) * k, dtype=np.int64)
     valid = np.ones(tuple(outs) + (1,) * k, dtype=bool)
     stride = 1
     for d in reversed(range(k)):
-        n, N = outs[d], ins[d]
-        wins = [range(*_bounds(n, N, i)) for i in range(n)]
-        K = max(len(w) for w in wins)
-        idx = np.array([list(w) + [w[-1]] * (K - len(w)) for w in wins])
-        ok = np.array([[j < len(w) for j in range(K)] for w in wins])
+        K = max(len(w) for w in wins[d])
+        inside = [[j for j in w if 0 <= j < ins[d]] for w in wins[d]]
+        idx = np.array([[j if 0 <= j < ins[d] else inside[i][-1] for j in w]
+                        + [inside[i][-1]] * (K - len(w)) for i, w in enumerate(wins[d])])
+        ok = np.array([[0 <= j < ins[d] for j in w] + [False] * (K - len(w))
+                       for w in wins[d]])
         shape = [1] * (2 * k)
-        shape[d], shape[k + d] = n, K
+        shape[d], shape[k + d] = outs[d], K
         flat = flat + idx.reshape(shape) * stride
         valid = valid & ok.reshape(shape)
-        stride *= N
+        stride *= ins[d]
     P = int(np.prod(flat.shape[k:]))
     return flat.reshape(tuple(outs) + (P,)), valid.reshape(tuple(outs) + (P,))
 
 
-def adaptive_max_pool(x: torch.Tensor, output_size: Sequence[int], force: bool = False):
-    """``aten.adaptive_max_pool{k}d``: (the maxima, their flat indices)."""
-    outs = list(output_size)
-    if not (force or _uneven(x, outs)):
-        return NotImplemented
-    k = len(outs)
+def _window_max(x: torch.Tensor, ins: Sequence[int], wins) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the maximum of every window, its flat index): the first maximum, as torch's
+    kernels pick, and read from the input at that index so that the backward is
+    torch's (each gradient added at its index)."""
+    k = len(wins)
     lead = list(x.shape[:-k])
-    flat, valid = _flat_windows(list(x.shape[-k:]), outs)
+    flat, valid = _flat_windows(ins, wins)
     xs = x.flatten(-k)
     flat_t = torch.tensor(flat, device=x.device)
     windows = xs[..., flat_t.reshape(-1)].reshape(lead + list(flat.shape))
@@ -234,15 +241,63 @@ def adaptive_max_pool(x: torch.Tensor, output_size: Sequence[int], force: bool =
     return out, index
 
 
-def adaptive_max_pool_backward(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor,
-                               k: int, force: bool = False):
-    """Its backward (``k`` spatial dimensions): every output's gradient added at its
-    index."""
-    if not (force or _uneven(x, list(grad.shape[-k:]))):
-        return NotImplemented
+def _add_at(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
+    """The backward of ``_window_max``: every output's gradient added at its index."""
     xs = torch.zeros(list(x.shape[:-k]) + [int(np.prod(x.shape[-k:]))], dtype=grad.dtype,
                      device=grad.device)
     return xs.scatter_add(-1, index.flatten(-k), grad.flatten(-k)).reshape(x.shape)
+
+
+def adaptive_max_pool(x: torch.Tensor, output_size: Sequence[int], force: bool = False):
+    """``aten.adaptive_max_pool{k}d``: (the maxima, their flat indices)."""
+    outs = list(output_size)
+    if not (force or _uneven(x, outs)):
+        return NotImplemented
+    ins = list(x.shape[-len(outs):])
+    return _window_max(x, ins, [[list(range(*_bounds(n, N, i))) for i in range(n)]
+                                for n, N in zip(outs, ins)])
+
+
+def adaptive_max_pool_backward(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor,
+                               k: int, force: bool = False):
+    """Its backward (``k`` spatial dimensions)."""
+    if not (force or _uneven(x, list(grad.shape[-k:]))):
+        return NotImplemented
+    return _add_at(grad, x, index, k)
+
+
+# ------------------------------------------------------------- dilated max pooling
+
+def _dilated(dilation, k: int) -> bool:
+    return any(d != 1 for d in _expand(dilation, k))
+
+
+def max_pool(x: torch.Tensor, kernel, stride=(), padding=0, dilation=1,
+             ceil_mode: bool = False, *, k: int):
+    """``aten.max_pool{k}d_with_indices`` with a dilation, which torch_xla runs on the
+    CPU: the windows gathered (padding never wins, as torch's -inf), their first
+    maxima."""
+    if not _dilated(dilation, k):
+        return NotImplemented
+    ins = list(x.shape[-k:])
+    kernel = _expand(kernel, k)
+    stride = _expand(stride, k) if stride else list(kernel)
+    padding, dilation = _expand(padding, k), _expand(dilation, k)
+    wins = []
+    for n, kk, s, p, dl in zip(ins, kernel, stride, padding, dilation):
+        o = (n + 2 * p - dl * (kk - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+        if ceil_mode and (o - 1) * s >= n + p:
+            o -= 1                             # the last window must start inside
+        wins.append([[i * s - p + j * dl for j in range(kk)] for i in range(o)])
+    return _window_max(x, ins, wins)
+
+
+def max_pool_backward(grad: torch.Tensor, x: torch.Tensor, kernel, stride, padding,
+                      dilation, ceil_mode: bool, index: torch.Tensor, *, k: int):
+    """Its backward."""
+    if not _dilated(dilation, k):
+        return NotImplemented
+    return _add_at(grad, x, index, k)
 
 
 def table() -> dict:
@@ -264,6 +319,11 @@ def table() -> dict:
         aten.adaptive_max_pool3d_backward.default:
             lambda g, x, i: adaptive_max_pool_backward(g, x, i, 3, True),
     }
+    for k in (2, 3):
+        out[getattr(aten, f"max_pool{k}d_with_indices").default] = \
+            lambda x, *rest, _k=k: max_pool(x, *rest, k=_k)
+        out[getattr(aten, f"max_pool{k}d_with_indices_backward").default] = \
+            lambda g, x, *rest, _k=k: max_pool_backward(g, x, *rest, k=_k)
     for k in (2, 3):
         def fwd(x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
                 divisor_override=None, _k=k):
