@@ -125,6 +125,18 @@ CASES = {
         [1, 3, 2, 1]), aweights=torch.tensor([0.5, 1.0, 2.0, 0.25])), VEC),
     "corrcoef": (lambda x: torch.corrcoef(x), VEC),
     "sgn and angle of a real tensor": (lambda x: torch.sgn(x) * x + torch.angle(x), VEC),
+    # other numbers from torch_xla's own kernels (stop 33): an as_strided of a view
+    # (every unfold of a slice or transpose) read the view as its own storage; amax(),
+    # sum(()) and mean([]) over "no dimension" did not reduce; aminmax likewise; ELU's
+    # backward read the input as the output
+    "unfold of a slice and of a transpose": (lambda x: torch.cat([
+        x[:, 1:].unfold(1, 3, 2).flatten(1), x.T.unfold(1, 2, 1).flatten(1).T[:4]], 1), VEC),
+    "as_strided of a view": (lambda x: x[1:, 3:].as_strided((2, 3), (1, 4)), VEC),
+    "amax(), amin(), sum(()), mean([]), aminmax()": (lambda x: torch.stack([
+        x.amax(), x.amin(), x.sum(()), x.mean([]), *torch.aminmax(x.detach()),
+        *torch.aminmax(x.detach(), dim=1)[0][:2]]), VEC),           # (no derivative)
+    "elu, selu, celu, elu in place": (lambda x: F.elu(x) + F.selu(x) + F.celu(x, 0.7)
+                                      + F.elu(x * 2, 0.5, inplace=True), VEC),
     "cdist p=1": (lambda x: torch.cdist(x, x[:3], p=1), VEC),
     "cdist p=3": (lambda x: torch.cdist(x, x[:3] + 1, p=3), VEC),
     "det": (lambda x: torch.linalg.det(x), SQ),

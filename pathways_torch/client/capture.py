@@ -247,10 +247,13 @@ def _decompositions() -> Dict:
         has = torch._C._dispatch_has_kernel_for_dispatch_key
         aten = torch.ops.aten
         # torch_xla's batch norm updates running_var with the biased batch variance
-        # (torch: unbiased); torch's decomposition does what torch does
+        # (torch: unbiased), and its ELU backward reads its last argument as the ELU's
+        # output even when it is the input (is_result=False: F.elu, selu and celu's
+        # gradients were off by the input's value); torch's decompositions do what
+        # torch does
         wrong_on_xla = {aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
                         aten._native_batch_norm_legit_functional.default,
-                        aten._native_batch_norm_legit.no_stats}
+                        aten._native_batch_norm_legit.no_stats, aten.elu_backward.default}
         _DECOMPS = {op: f for op, f in core_aten_decompositions().items()
                     if isinstance(op, torch._ops.OpOverload)
                     and (not has(op.name(), "XLA") or op in wrong_on_xla)}

@@ -306,6 +306,67 @@ def batch_norm_backward_eval(grad_out, input, weight, running_mean, running_var,
                                       save_mean, save_invstd, train, eps, output_mask)
 
 
+def as_strided(x, size, stride, storage_offset=None):
+    """``as_strided`` of a view (``x[1:].unfold(...)``, ``x.T.unfold(...)``, an unfold
+    of an unfold: torch's unfold is an as_strided of its input's strides and offset).
+    torch reads the storage under the view; torch_xla reads the view as if it were its
+    own storage from offset 0, which gave other numbers (by up to 2.7). The storage
+    addresses the result reads are static, so they are looked up among the addresses
+    the view itself covers and gathered from it; an address outside the view (storage
+    the program does not have) is refused."""
+    from ..errors import ShapeError
+    import numpy as np
+    offset = x.storage_offset() if storage_offset is None else int(storage_offset)
+    want = np.full(tuple(size), offset, dtype=np.int64)
+    for d, (n, st) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        want = want + (np.arange(n, dtype=np.int64) * st).reshape(shape)
+    if x.is_contiguous() and x.storage_offset() == 0 and \
+            (want.size == 0 or (want.min() >= 0 and want.max() < x.numel())):
+        return NotImplemented                  # XLA's own reads these right
+    have = np.full(tuple(x.shape), x.storage_offset(), dtype=np.int64)
+    for d, (n, st) in enumerate(zip(x.shape, x.stride())):
+        shape = [1] * x.dim()
+        shape[d] = n
+        have = have + (np.arange(n, dtype=np.int64) * st).reshape(shape)
+    have = have.reshape(-1)
+    order = np.argsort(have, kind="stable")
+    pos = np.searchsorted(have[order], want.reshape(-1))
+    pos = np.minimum(pos, max(len(have) - 1, 0))
+    if want.size and (len(have) == 0 or (have[order][pos] != want.reshape(-1)).any()):
+        raise ShapeError(
+            f"as_strided{tuple(size)} with strides {tuple(stride)} reads storage outside "
+            f"the {tuple(x.shape)} tensor it is called on (a view of a larger tensor): "
+            "a program has no storage under its tensors; call it on the whole tensor, "
+            "or .contiguous() first")
+    index = torch.tensor(order[pos] if want.size else np.zeros(0, dtype=np.int64))
+    return x.reshape(-1)[index.to(x.device)].reshape(tuple(size))
+
+
+def aminmax(x, *, dim=None, keepdim=False):
+    """torch.aminmax: XLA has no kernel, and torch's decomposition passes dim=None on to
+    amin/amax, which torch_xla reads as no dimension: the two 0-dim results of a whole
+    tensor came back with the input's shape."""
+    if dim is not None:
+        return x.amin(dim, keepdim), x.amax(dim, keepdim)
+    lo, hi = x.amin(), x.amax()
+    if keepdim:
+        lo, hi = lo.reshape([1] * x.dim()), hi.reshape([1] * x.dim())
+    return lo, hi
+
+
+def _whole(op):
+    """``op`` (a reduction with a list of dimensions) over every dimension where it is
+    given none: torch reads an empty list (or None, or amax's default) as all of them
+    (``x.amax()``, ``x.sum(())``), torch_xla as none, and returned the input unreduced."""
+    def reduce(x, dim=None, *args, **kwargs):
+        if (dim is not None and len(dim)) or x.dim() == 0:
+            return NotImplemented
+        return op(x, list(range(x.dim())), *args, **kwargs)
+    return reduce
+
+
 def efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):
     """The zeros some derivatives return (``torch.sgn``'s on real inputs): a plain
     zero tensor, which XLA has (torch's is a lazily allocated one)."""
@@ -352,6 +413,11 @@ def table() -> Dict[object, Callable]:
         aten.native_batch_norm_backward.default: batch_norm_backward_eval,
         aten.searchsorted.Tensor: searchsorted,
         aten._efficientzerotensor.default: efficient_zeros,
+        aten.as_strided.default: as_strided,
+        aten.aminmax.default: aminmax,
+        **{op: _whole(op) for op in (aten.amax.default, aten.amin.default,
+                                     aten.sum.dim_IntList, aten.mean.dim,
+                                     aten.nansum.default)},
         aten.angle.default: angle,
         aten.scatter_reduce.two: scatter_reduce,
         aten.addmm.default: addmm,
@@ -681,6 +747,9 @@ def above_autograd() -> Dict[Callable, Callable]:
         F.grid_sample: grid_sample,
         torch.cdist: cdist,
         F.pdist: pdist, torch.pdist: pdist,
+        # a user's as_strided of a view: the gather, differentiated by autograd (the
+        # aten op's own backward scatters into the view's storage, which XLA gets wrong)
+        torch.as_strided: as_strided, torch.Tensor.as_strided: as_strided,
         torch.cov: covariance.cov, torch.Tensor.cov: covariance.cov,
         torch.corrcoef: covariance.corrcoef, torch.Tensor.corrcoef: covariance.corrcoef,
         torch.linalg.solve: solve,
