@@ -2,7 +2,7 @@
 
 torch describes each of its operators with sample inputs (the OpInfo database of
 ``torch.testing``, which torch's own test suite and torch_xla's run). Every float32 op
-here runs its first two samples in a program on a one-device slice and in plain torch
+here runs its first sample in a program on a one-device slice and in plain torch
 on the CPU, value and gradient (the outputs weighted by a fixed pattern, summed and
 differentiated with respect to every floating input). Each must either give torch's
 numbers, within 1e-3 of ``1 + |torch's|`` (float32 kernels that round differently,
@@ -20,6 +20,7 @@ pooling with ``ceil_mode``, adaptive and dilated pooling, ``cov``, ``pdist``, ``
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -30,7 +31,10 @@ from torch.utils import _pytree as pytree
 import pathways_torch as pw
 
 TOL = 1e-3
-SAMPLES = 2
+# The first sample of each op: a second doubled the time (176 s against 82) and, after
+# the fixes, failed nowhere the first passed (the uneven adaptive poolings that second
+# and third samples found are cases of test_lowerings.py).
+SAMPLES = 1
 
 # Left out: random ops (no two runs agree); complex, sparse and FFT ops (no XLA tensors
 # for them here); ops whose output shape depends on data by definition, or is a Python
@@ -62,6 +66,8 @@ SKIP_CASES = {
     # p = 0 counts differences: torch's output requires grad (a zero gradient), the
     # formula's does not, so the harness's gradient list differs in length
     ("cdist", ""): "p = 0 has no gradient to compare",
+    # 50 frames unrolled: 27 s of compiles; test_lowerings.py checks the formula
+    ("nn.functional.ctc_loss", ""): "checked in test_lowerings.py",
     # its inputs are views into larger tensors, read through their storage; a program's
     # input is the view's values (pw.put sends those)
     ("as_strided", "partial_views"): "inputs whose storage is larger than they are",
@@ -146,8 +152,8 @@ def _worst(got, want) -> float:
                          .rstrip("."))
 def test_torch_operator_samples_give_torch_numbers_or_a_typed_refusal(s1, op):
     try:
-        samples = list(op.sample_inputs("cpu", torch.float32,
-                                        requires_grad=op.supports_autograd))[:SAMPLES]
+        samples = list(itertools.islice(op.sample_inputs(
+            "cpu", torch.float32, requires_grad=op.supports_autograd), SAMPLES))
     except Exception as e:                    # pragma: no cover - torch's own samples
         pytest.skip(f"torch cannot build its samples here: {e}")
     checked = 0
