@@ -125,7 +125,8 @@ CASES = {
         [1, 3, 2, 1]), aweights=torch.tensor([0.5, 1.0, 2.0, 0.25])), VEC),
     "corrcoef": (lambda x: torch.corrcoef(x), VEC),
     "sgn and angle of a real tensor": (lambda x: torch.sgn(x) * x + torch.angle(x), VEC),
-    # other numbers from torch_xla's own kernels (stop 33): an as_strided of a view
+    # other numbers from torch_xla's own kernels (stop 33): a batched SVD's outputs
+    # recorded with the wrong shapes; an as_strided of a view
     # (every unfold of a slice or transpose) read the view as its own storage; amax(),
     # sum(()) and mean([]) over "no dimension" did not reduce; aminmax likewise; ELU's
     # backward read the input as the output
@@ -135,6 +136,11 @@ CASES = {
     "amax(), amin(), sum(()), mean([]), aminmax()": (lambda x: torch.stack([
         x.amax(), x.amin(), x.sum(()), x.mean([]), *torch.aminmax(x.detach()),
         *torch.aminmax(x.detach(), dim=1)[0][:2]]), VEC),           # (no derivative)
+    "batched svd (S, |U|, |Vh|) and nuclear norm": (lambda x: torch.cat([
+        torch.linalg.svd(x.reshape(2, 2, 16)).S.flatten(),
+        torch.linalg.svd(x.reshape(2, 2, 16), full_matrices=False).U.abs().flatten(),
+        torch.linalg.svd(x.reshape(2, 2, 16), full_matrices=False).Vh.abs().flatten(),
+        torch.linalg.matrix_norm(x.reshape(2, 4, 8), "nuc")]), VEC),
     "elu, selu, celu, elu in place": (lambda x: F.elu(x) + F.selu(x) + F.celu(x, 0.7)
                                       + F.elu(x * 2, 0.5, inplace=True), VEC),
     "cdist p=1": (lambda x: torch.cdist(x, x[:3], p=1), VEC),

@@ -71,9 +71,6 @@ SKIP_CASES = {
     # its inputs are views into larger tensors, read through their storage; a program's
     # input is the view's values (pw.put sends those)
     ("as_strided", "partial_views"): "inputs whose storage is larger than they are",
-    # OPEN (stop 33): a batched nuclear norm gives other numbers (8.8 off on 5 5x5
-    # matrices; one matrix is right): torch_xla's batched SVD values summed. Not fixed.
-    ("norm", "nuc"): "OPEN: batched nuclear norm, other numbers",
 }
 
 

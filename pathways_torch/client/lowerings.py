@@ -367,6 +367,26 @@ def _whole(op):
     return reduce
 
 
+def linalg_svd(A, full_matrices=False, compute_uv=True, *, driver=None):
+    """The SVD of a batch, one matrix at a time: torch_xla's batched SVD gives outputs
+    whose shapes it records wrongly (S of 4 5x6 matrices as [5], Vh as [6, 4, 5]), so
+    the next op reads them along the wrong dimensions (a batched nuclear norm was 8.8
+    off). One matrix's SVD is right."""
+    if A.dim() <= 2:
+        return NotImplemented
+    batch, (m, n) = list(A.shape[:-2]), A.shape[-2:]
+    flat = A.reshape(-1, m, n)
+    parts = [torch.ops.aten._linalg_svd.default(flat[i], full_matrices, compute_uv,
+                                                driver=driver)
+             for i in range(flat.shape[0])]
+
+    def stacked(k):
+        if not compute_uv and k != 1:
+            return parts[0][k]                 # empty, as torch gives it
+        return torch.stack([p[k] for p in parts]).reshape(batch + list(parts[0][k].shape))
+    return stacked(0), stacked(1), stacked(2)
+
+
 def efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):
     """The zeros some derivatives return (``torch.sgn``'s on real inputs): a plain
     zero tensor, which XLA has (torch's is a lazily allocated one)."""
@@ -415,6 +435,7 @@ def table() -> Dict[object, Callable]:
         aten._efficientzerotensor.default: efficient_zeros,
         aten.as_strided.default: as_strided,
         aten.aminmax.default: aminmax,
+        aten._linalg_svd.default: linalg_svd,
         **{op: _whole(op) for op in (aten.amax.default, aten.amin.default,
                                      aten.sum.dim_IntList, aten.mean.dim,
                                      aten.nansum.default)},
