@@ -28,9 +28,10 @@ import math
 import struct
 from typing import Callable, Dict
 
+import numpy as np
 import torch
 
-from ..errors import DataDependentError
+from ..errors import DataDependentError, ShapeError
 
 
 def histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
@@ -314,23 +315,12 @@ def as_strided(x, size, stride, storage_offset=None):
     addresses the result reads are static, so they are looked up among the addresses
     the view itself covers and gathered from it; an address outside the view (storage
     the program does not have) is refused."""
-    from ..errors import ShapeError
-    import numpy as np
     offset = x.storage_offset() if storage_offset is None else int(storage_offset)
-    want = np.full(tuple(size), offset, dtype=np.int64)
-    for d, (n, st) in enumerate(zip(size, stride)):
-        shape = [1] * len(size)
-        shape[d] = n
-        want = want + (np.arange(n, dtype=np.int64) * st).reshape(shape)
+    want = _addresses(size, stride, offset)
     if x.is_contiguous() and x.storage_offset() == 0 and \
             (want.size == 0 or (want.min() >= 0 and want.max() < x.numel())):
         return NotImplemented                  # XLA's own reads these right
-    have = np.full(tuple(x.shape), x.storage_offset(), dtype=np.int64)
-    for d, (n, st) in enumerate(zip(x.shape, x.stride())):
-        shape = [1] * x.dim()
-        shape[d] = n
-        have = have + (np.arange(n, dtype=np.int64) * st).reshape(shape)
-    have = have.reshape(-1)
+    have = _addresses(x.shape, x.stride(), x.storage_offset()).reshape(-1)
     order = np.argsort(have, kind="stable")
     pos = np.searchsorted(have[order], want.reshape(-1))
     pos = np.minimum(pos, max(len(have) - 1, 0))
@@ -342,6 +332,16 @@ def as_strided(x, size, stride, storage_offset=None):
             "or .contiguous() first")
     index = torch.tensor(order[pos] if want.size else np.zeros(0, dtype=np.int64))
     return x.reshape(-1)[index.to(x.device)].reshape(tuple(size))
+
+
+def _addresses(size, stride, offset: int) -> np.ndarray:
+    """The storage address of every element of a ``size`` tensor with ``stride``."""
+    out = np.full(tuple(size), offset, dtype=np.int64)
+    for d, (n, st) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        out = out + (np.arange(n, dtype=np.int64) * st).reshape(shape)
+    return out
 
 
 def aminmax(x, *, dim=None, keepdim=False):

@@ -46,22 +46,32 @@ def _expand(v: Sequence[int], k: int) -> List[int]:
     return v * k if len(v) == 1 else v
 
 
+def _geometry(k: int, kernel, stride, padding) -> Tuple[List[int], List[int], List[int]]:
+    """(kernel, stride, padding) per spatial dimension; no stride means the kernel's."""
+    kernel = _expand(kernel, k)
+    return kernel, (_expand(stride, k) if stride else list(kernel)), _expand(padding, k)
+
+
+def _out_size(n: int, kk: int, s: int, p: int, ceil_mode: bool, dilation: int = 1) -> int:
+    """torch's ``pooling_output_shape``: windows over ``n`` inputs padded by ``p``."""
+    o = (n + 2 * p - dilation * (kk - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (o - 1) * s >= n + p:
+        o -= 1                                 # the last window must start inside
+    return o
+
+
 class _Plan:
     """The geometry of one pooling: per spatial dimension its output size, the padded
     length (``left`` zeros before the input), and the divisor of every output."""
 
     def __init__(self, spatial: Sequence[int], kernel, stride, padding, ceil_mode: bool,
                  count_include_pad: bool, divisor_override: Optional[int]) -> None:
-        k = len(spatial)
-        self.kernel = _expand(kernel, k)
-        self.stride = _expand(stride, k) if stride else list(self.kernel)
-        self.left = _expand(padding, k)
+        self.kernel, self.stride, self.left = _geometry(len(spatial), kernel, stride,
+                                                        padding)
         self.outs, self.lengths = [], []
         divisor = np.ones((), dtype=np.int64)
         for n, kk, s, p in zip(spatial, self.kernel, self.stride, self.left):
-            o = (n + 2 * p - kk + (s - 1 if ceil_mode else 0)) // s + 1
-            if ceil_mode and (o - 1) * s >= n + p:
-                o -= 1                         # the last window must start inside
+            o = _out_size(n, kk, s, p, ceil_mode)
             starts = np.arange(o) * s - p
             ends = np.minimum(starts + kk, n + p)
             size = (ends - starts) if count_include_pad else \
@@ -280,15 +290,10 @@ def max_pool(x: torch.Tensor, kernel, stride=(), padding=0, dilation=1,
     if not _dilated(dilation, k):
         return NotImplemented
     ins = list(x.shape[-k:])
-    kernel = _expand(kernel, k)
-    stride = _expand(stride, k) if stride else list(kernel)
-    padding, dilation = _expand(padding, k), _expand(dilation, k)
-    wins = []
-    for n, kk, s, p, dl in zip(ins, kernel, stride, padding, dilation):
-        o = (n + 2 * p - dl * (kk - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
-        if ceil_mode and (o - 1) * s >= n + p:
-            o -= 1                             # the last window must start inside
-        wins.append([[i * s - p + j * dl for j in range(kk)] for i in range(o)])
+    kernel, stride, padding = _geometry(k, kernel, stride, padding)
+    wins = [[[i * s - p + j * dl for j in range(kk)]
+             for i in range(_out_size(n, kk, s, p, ceil_mode, dl))]
+            for n, kk, s, p, dl in zip(ins, kernel, stride, padding, _expand(dilation, k))]
     return _window_max(x, ins, wins)
 
 
