@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -32,6 +33,39 @@ def pytest_runtest_makereport(item, call):
         except OSError:
             continue
         report.sections.append((f"cluster log {name} (tail)", tail or "(empty)"))
+
+
+_controller: list = []   # the config of the process that prints (not an xdist worker)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):
+        _controller.append(config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    """Print a failure the moment it happens, not in the summary at the end: a CI run
+    that is killed at its time limit shows only what it printed, and only its tail."""
+    if not report.failed or not _controller:
+        return
+    tr = _controller[0].pluginmanager.get_plugin("terminalreporter")
+    if tr is None:
+        return
+    tr.write_line("")
+    tr.write_sep("!", f"FAILED {report.nodeid} ({report.when})")
+    tr.write_line(report.longreprtext[-4000:])
+    for title, text in report.sections:
+        if title.startswith("cluster log"):
+            tr.write_line(f"--- {title} ---\n{text[-1500:]}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """A process that hangs on its way out (a thread that will not join, an atexit
+    handler) is outside every test's timeout: dump every thread's stack and exit."""
+    import faulthandler
+    faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)
 
 
 @pytest.fixture(scope="module")
