@@ -494,6 +494,7 @@ class _Replay(torch.fx.Interpreter):
         self._flag = None                  # remat.lower_tie's runtime False
 
     def run_node(self, n):
+        self._traced = n.meta.get("val")
         value = super().run_node(n)
         if n.op == "get_attr" and isinstance(value, torch.Tensor):
             value = value.to(self.device)
@@ -515,7 +516,50 @@ class _Replay(torch.fx.Interpreter):
         dev = kwargs.get("device") if kwargs else None
         if dev is not None and torch.device(dev).type == "cpu":
             kwargs = dict(kwargs, device=self.device)
+        vector = _scalars_as_vectors(target, args, kwargs)
+        if vector is not None:
+            out = super().call_function(target, *vector)
+            return _reshaped_as(out, self._traced)
         return super().call_function(target, args, kwargs)
+
+
+def _scalars_as_vectors(target, args, kwargs):
+    """(args, kwargs) of an op along a dimension of 0-dim tensors (``t.sum(0)``,
+    ``t.softmax(-1)``, ``t.max(0)``), with each tensor as a 1-element vector and the
+    dimension as 0; None for any other op. torch reads dimension 0 or -1 of a 0-dim
+    tensor as the tensor itself, torch_xla refuses it ("Value out of range")."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    names = [a.name for a in target._schema.arguments]
+    if "dim" not in names and "dims" not in names:       # flip's is "dims"
+        return None
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not tensors or any(t.dim() != 0 for t in tensors):
+        return None
+    key = "dim" if "dim" in names else "dims"
+    k = names.index(key)
+    dim = args[k] if k < len(args) else kwargs.get(key)
+    dims = [dim] if isinstance(dim, int) else list(dim or ())
+    if not dims or any(d not in (0, -1) for d in dims):
+        return None
+    dim = 0 if isinstance(dim, int) else [0] * len(dims)
+    args, kwargs = pytree.tree_map(
+        lambda x: x.reshape(1) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    if k < len(args):
+        args = args[:k] + (dim,) + args[k + 1:]
+    else:
+        kwargs = dict(kwargs, **{key: dim})
+    return args, kwargs
+
+
+def _reshaped_as(value, traced):
+    """``value`` in the shape torch gave the op's output in the trace."""
+    if isinstance(value, torch.Tensor) and isinstance(traced, torch.Tensor):
+        return value.reshape(traced.shape) if value.shape != traced.shape else value
+    if isinstance(value, (tuple, list)) and isinstance(traced, (tuple, list)):
+        return type(value)(*map(_reshaped_as, value, traced)) if hasattr(value, "_fields") \
+            else type(value)(map(_reshaped_as, value, traced))
+    return value
 
 
 def _executions() -> Tuple[int, int]:

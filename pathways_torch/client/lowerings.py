@@ -91,7 +91,8 @@ def weight_norm_backward(grad_w, v, g, norms, dim: int):
 def median_dim(x: torch.Tensor, dim: int = -1, keepdim: bool = False):
     """``x.median(dim)``: torch's lower median is the ((n - 1) // 2 + 1)-th smallest,
     which XLA computes as a kthvalue (torch_xla runs median(dim) on the CPU)."""
-    return torch.ops.aten.kthvalue.default(x, (x.shape[dim] - 1) // 2 + 1, dim, keepdim)
+    n = x.shape[dim] if x.dim() else 1
+    return torch.ops.aten.kthvalue.default(x, (n - 1) // 2 + 1, dim, keepdim)
 
 
 def exp2(x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +148,8 @@ def cummin(x: torch.Tensor, dim: int):
 def logcumsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Each prefix's logsumexp, from an [n, n] lower-triangular mask: exact where a
     running ``log(cumsum(exp(x - max)))`` would underflow, at O(n^2) memory."""
+    if x.dim() == 0:
+        return x.clone()                       # one prefix: the value itself
     x = x.movedim(dim, -1)
     n = x.shape[-1]
     keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
@@ -359,12 +362,30 @@ def aminmax(x, *, dim=None, keepdim=False):
 def _whole(op):
     """``op`` (a reduction with a list of dimensions) over every dimension where it is
     given none: torch reads an empty list (or None, or amax's default) as all of them
-    (``x.amax()``, ``x.sum(())``), torch_xla as none, and returned the input unreduced."""
+    (``x.amax()``, ``x.sum(())``), torch_xla as none, and returned the input unreduced.
+    Dimension 0 or -1 of a 0-dim tensor is the tensor itself, which torch_xla refuses."""
     def reduce(x, dim=None, *args, **kwargs):
+        if x.dim() == 0 and all(d in (0, -1) for d in (dim or ())):
+            return op(x.reshape(1), [0], *args, **kwargs).reshape(())
         if (dim is not None and len(dim)) or x.dim() == 0:
             return NotImplemented
         return op(x, list(range(x.dim())), *args, **kwargs)
     return reduce
+
+
+def nansum(x, dim=None, keepdim=False, *, dtype=None):
+    """torch.nansum (and nanmean, which torch computes from it): a sum with NaNs as
+    zeros; torch_xla runs it on the CPU, so programs refused it."""
+    clean = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+    return torch.ops.aten.sum.dim_IntList(clean, dim, keepdim, dtype=dtype)
+
+
+def count_nonzero(x, dim=None):
+    """torch.count_nonzero, an int64 count as torch's: with a dimension, torch_xla's
+    gives floats in a tensor whose shape it records wrongly ([0] for a count over
+    dimension 0 of a vector)."""
+    dims = [] if dim is None else [dim] if isinstance(dim, int) else list(dim)
+    return torch.ops.aten.sum.dim_IntList(x != 0, dims, dtype=torch.int64)
 
 
 def linalg_svd(A, full_matrices=False, compute_uv=True, *, driver=None):
@@ -399,6 +420,41 @@ def angle(x):
         return NotImplemented
     out = torch.where(x < 0, torch.full_like(x, math.pi), torch.zeros_like(x))
     return torch.where(torch.isnan(x), x, out)
+
+
+def _float64_by(op):
+    """torch's own decomposition of ``op`` for float64 tensors: torch_xla's kernels for
+    these compute with float32 constants (gelu's 1/sqrt(2), threshold's value, layer
+    norm's eps), 1e-9 to 4e-8 off where float64 is good to 1e-16. Other dtypes keep
+    XLA's kernel."""
+    from torch._decomp import decomposition_table
+    decomp = decomposition_table[op]
+
+    def run(x, *args, **kwargs):
+        if x.dtype != torch.float64:
+            return NotImplemented
+        return decomp(x, *args, **kwargs)
+    return run
+
+
+def _float64_log(base: float):
+    """log2 / log10 of float64 tensors as log(x) / log(base) in double (torch_xla's
+    kernels divide by a float32 ln(base): 1e-8 off)."""
+    def run(x):
+        if x.dtype != torch.float64:
+            return NotImplemented
+        return torch.log(x) / math.log(base)
+    return run
+
+
+def hardsigmoid_backward(grad, x):
+    """F.hardsigmoid's gradient as torch's CPU kernel computes it: 1/6 rounded to
+    float32 in every dtype (torch's decomposition multiplies float64 by the exact 1/6,
+    1e-8 away from torch)."""
+    if grad.dtype != torch.float64:
+        return NotImplemented
+    inside = (x > -3.0) & (x < 3.0)
+    return torch.where(inside, grad * float(np.float32(1.0 / 6.0)), torch.zeros_like(grad))
 
 
 def _no_check(*args, **kwargs) -> None:
@@ -437,9 +493,17 @@ def table() -> Dict[object, Callable]:
         aten.aminmax.default: aminmax,
         aten._linalg_svd.default: linalg_svd,
         **{op: _whole(op) for op in (aten.amax.default, aten.amin.default,
-                                     aten.sum.dim_IntList, aten.mean.dim,
-                                     aten.nansum.default)},
+                                     aten.sum.dim_IntList, aten.mean.dim)},
+        aten.nansum.default: nansum,
+        aten.count_nonzero.default: count_nonzero,
+        aten.count_nonzero.dim_IntList: count_nonzero,
         aten.angle.default: angle,
+        **{op: _float64_by(op) for op in (
+            aten.gelu.default, aten.gelu_backward.default, aten.threshold.default,
+            aten.threshold_backward.default, aten.native_layer_norm.default)},
+        aten.hardsigmoid_backward.default: hardsigmoid_backward,
+        aten.log2.default: _float64_log(2.0),
+        aten.log10.default: _float64_log(10.0),
         aten.scatter_reduce.two: scatter_reduce,
         aten.addmm.default: addmm,
         **{getattr(aten, name).Scalar: _compare_scalar(getattr(aten, name).Scalar)
