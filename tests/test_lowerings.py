@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 
 import pathways_torch as pw
 
@@ -153,6 +154,11 @@ CASES = {
                   v.logcumsumexp(0), v.median(0).values, v.kthvalue(1, 0).values,
                   v.nansum(0), v.norm(dim=0), F.cosine_similarity(v, v * 2, dim=0) * v,
                   v.std(0, correction=0) + v, v.argmax(0) + v)]), VEC),
+    "cummax and cummin where values tie": (lambda x: torch.cat([
+        torch.cummax(torch.cat([x, x.flip(1)], 1), 1).indices.float(),
+        torch.cummin(torch.cat([x, x.flip(1)], 1), 1).indices.float(),
+        torch.cummax(torch.cat([x, x], 1), 1).values,
+        torch.cummin(torch.cat([x, x], 1), 1).values], 1), VEC),
     "nansum, nanmean and count_nonzero": (lambda x: torch.cat([t.flatten() for t in (
         torch.where(x > 1, torch.nan, x).nansum(1),
         torch.where(x > 1, torch.nan, x).nanmean(0),
@@ -330,6 +336,38 @@ def test_float64_ops_are_torch_in_double(s1, case):
     got_y, got_g = pw.program(_value_and_grad(fn))(pw.put(x, s1), pw.put(w, s1))
     torch.testing.assert_close(got_y.torch(), want_y.detach(), atol=1e-13, rtol=1e-13)
     torch.testing.assert_close(got_g.torch(), want_g, atol=1e-13, rtol=1e-13)
+
+
+INTS = torch.tensor([[3, 1, 3, 2, 5, 5, 0, -7], [4, 4, -2, 9, 9, -9, 1, 0]])
+NAN = torch.tensor([1.0, 3.0, float("nan"), 2.0, float("nan"), 5.0])
+EXACT = {
+    # (stop 34, from torch's int64 OpInfo samples) torch_xla's cummax index is the first
+    # position of a tie, torch's the last; int64 average pooling came back as floats
+    # (7.5 where torch truncates to 7); erfc/erfinv of int64 failed to lower (an untyped
+    # error); roll of an empty tensor killed the client with SIGFPE
+    "cummax, ties": lambda i, n: torch.cummax(i, 1),
+    "cummin, ties": lambda i, n: torch.cummin(i, 1),
+    "cummax, NaN": lambda i, n: torch.cummax(n, 0),
+    "cummin, NaN": lambda i, n: torch.cummin(n, 0),
+    "avg_pool2d of int64": lambda i, n: [
+        F.avg_pool2d(i.reshape(1, 1, 4, 4) * 3 - 5, 3, 2, 1, True, True),
+        F.avg_pool2d(i.reshape(1, 1, 4, 4) * 3 - 5, 2, divisor_override=3)],
+    "erfc and erfinv of int64": lambda i, n: [torch.erfc(i), torch.erfinv(i.clamp(0, 1) - 1)],
+    "roll of an empty tensor": lambda i, n: torch.roll(i[:0], 1, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(EXACT))
+def test_integer_results_and_ties_equal_torch(s1, case):
+    """Exactly torch's values, dtypes and indices (1e-6 for erfc's floats)."""
+    fn = EXACT[case]
+    want = pytree.tree_leaves(fn(INTS, NAN))
+    got = [a.torch() for a in pytree.tree_leaves(
+        pw.program(fn)(pw.put(INTS, s1), pw.put(NAN, s1)))]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, (g, w)
+        torch.testing.assert_close(g, w, equal_nan=True, atol=1e-6, rtol=1e-6)
 
 
 REFUSED = {

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from typing import Callable, Dict
 
 import numpy as np
@@ -138,10 +139,40 @@ def round_decimals(x: torch.Tensor, decimals: int = 0) -> torch.Tensor:
     return torch.round(x * ten) / ten if decimals >= 0 else torch.round(x / ten) * ten
 
 
+_inside = threading.local()
+
+
+def cummax(x: torch.Tensor, dim: int):
+    """The running maximum with torch's index: the last position where it was reached
+    (torch's CPU kernel takes ``x >= max``); from the first NaN on the maximum is NaN
+    and the index the latest NaN's. torch_xla's index is the first position
+    (``[3, 1, 3]`` gave index 0 where torch gives 2), and its maximum skips NaNs."""
+    if getattr(_inside, "cummax", False) or x.dim() == 0:
+        return NotImplemented
+    _inside.cummax = True
+    try:
+        values = torch.ops.aten.cummax.default(x, dim)[0]
+        shape = [1] * x.dim()
+        shape[dim] = x.shape[dim]
+        pos = torch.arange(x.shape[dim], device=x.device).reshape(shape).expand(x.shape)
+        if x.is_floating_point():
+            nan = torch.isnan(x)
+            values = torch.where(torch.cumsum(nan.int(), dim) > 0,
+                                 torch.full_like(values, math.nan), values)
+            hit = (x == values) | nan
+        else:
+            hit = x == values
+        index = torch.ops.aten.cummax.default(
+            torch.where(hit, pos, torch.full_like(pos, -1)), dim)[0]
+    finally:
+        _inside.cummax = False
+    return values, index
+
+
 def cummin(x: torch.Tensor, dim: int):
     """The running minimum as the running maximum of ``-x`` (the same last-index rule
     on ties; torch_xla's cummin runs on the CPU)."""
-    values, indices = torch.ops.aten.cummax.default(-x, dim)
+    values, indices = cummax(-x, dim) if x.dim() else torch.ops.aten.cummax.default(-x, dim)
     return -values, indices
 
 
@@ -422,6 +453,22 @@ def angle(x):
     return torch.where(torch.isnan(x), x, out)
 
 
+def roll(x, shifts, dims=()):
+    """torch.roll of an empty tensor is an empty tensor; torch_xla's takes the shift
+    modulo the dimension's size, and a size of 0 killed the client (SIGFPE)."""
+    return x.clone() if x.numel() == 0 else NotImplemented
+
+
+def _of_floats(op):
+    """``op`` of an integer tensor on its values as floats, as torch promotes them
+    (torch_xla failed to lower erfc and erfinv of int64: an untyped error)."""
+    def run(x):
+        if x.is_floating_point() or x.is_complex():
+            return NotImplemented
+        return op(x.to(torch.get_default_dtype()))
+    return run
+
+
 def _float64_by(op):
     """torch's own decomposition of ``op`` for float64 tensors: torch_xla's kernels for
     these compute with float32 constants (gelu's 1/sqrt(2), threshold's value, layer
@@ -481,6 +528,7 @@ def table() -> Dict[object, Callable]:
         aten.copysign.Scalar: copysign,
         aten.round.decimals: round_decimals,
         aten.cummin.default: cummin,
+        aten.cummax.default: cummax,
         aten.logcumsumexp.default: logcumsumexp,
         aten.embedding_renorm_.default: embedding_renorm_,
         aten.linalg_cholesky_ex.default: cholesky_ex,
@@ -498,6 +546,9 @@ def table() -> Dict[object, Callable]:
         aten.count_nonzero.default: count_nonzero,
         aten.count_nonzero.dim_IntList: count_nonzero,
         aten.angle.default: angle,
+        aten.roll.default: roll,
+        aten.erfc.default: _of_floats(aten.erfc.default),
+        aten.erfinv.default: _of_floats(aten.erfinv.default),
         **{op: _float64_by(op) for op in (
             aten.gelu.default, aten.gelu_backward.default, aten.threshold.default,
             aten.threshold_backward.default, aten.native_layer_norm.default)},

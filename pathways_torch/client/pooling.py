@@ -121,6 +121,8 @@ def avg_pool(x: torch.Tensor, kernel, stride=(), padding=0, ceil_mode: bool = Fa
         part = xp[plan.window(dim0, offset)]
         total = part if total is None else total + part
     divisor = torch.tensor(plan.divisor, dtype=x.dtype, device=x.device)
+    if not x.is_floating_point():
+        return torch.div(total, divisor, rounding_mode="trunc")   # torch's C++ int division
     return total / divisor
 
 
