@@ -320,14 +320,15 @@ F64 = {
     "threshold": lambda t: F.threshold(t, 0.1, 0.3), "log2": lambda t: t.abs().log2(),
     "log10": lambda t: t.abs().log10(), "hardsigmoid": lambda t: F.hardsigmoid(t * 4),
     "layer_norm": lambda t: F.layer_norm(t, (16,), eps=1e-3),
+    "logit with eps": lambda t: torch.logit(t.sigmoid(), eps=0.3),
 }
 
 
 @pytest.mark.parametrize("case", list(F64))
 def test_float64_ops_are_torch_in_double(s1, case):
     """torch_xla's kernels for these compute float64 tensors with float32 constants
-    (gelu's 1/sqrt(2), ln 2, threshold's value, layer norm's eps): 1e-9 to 4e-8 off
-    before stop 34. hardsigmoid's gradient is torch's CPU kernel's, whose 1/6 is a
+    (gelu's 1/sqrt(2), ln 2, threshold's value, layer norm's and logit's eps): 1e-9 to
+    4e-8 off before stop 34. hardsigmoid's gradient is torch's CPU kernel's, whose 1/6 is a
     float32 in every dtype."""
     fn, x = F64[case], VEC.double()
     w = torch.randn(fn(x).shape, generator=torch.Generator().manual_seed(1),
@@ -354,6 +355,10 @@ EXACT = {
         F.avg_pool2d(i.reshape(1, 1, 4, 4) * 3 - 5, 2, divisor_override=3)],
     "erfc and erfinv of int64": lambda i, n: [torch.erfc(i), torch.erfinv(i.clamp(0, 1) - 1)],
     "roll of an empty tensor": lambda i, n: torch.roll(i[:0], 1, 0),
+    # torch's kernels truncate a float beta/alpha for integer tensors (0.6 is 0)
+    "addbmm and addmm of int64, float beta and alpha": lambda i, n: [
+        torch.addbmm(i[:, :2], i.reshape(2, 2, 4), i.reshape(2, 2, 4).mT, beta=0.6, alpha=2.5),
+        torch.addmm(i[:, :2], i[:, :4], i[:, 4:].T, beta=1.5, alpha=0.2)],
 }
 
 

@@ -270,7 +270,11 @@ def _compare_scalar(op):
 
 def _scaled_sum(self: torch.Tensor, product, beta, alpha) -> torch.Tensor:
     """``beta * self + alpha * product()`` as torch's kernels compute it: in float32 for
-    16-bit floats, rounded once; ``self`` ignored when beta is 0 (its NaNs too)."""
+    16-bit floats, rounded once; ``self`` ignored when beta is 0 (its NaNs too);
+    for integer tensors beta and alpha truncated to integers, as torch's kernels
+    convert them (alpha=0.2 is 0)."""
+    if not (self.is_floating_point() or self.is_complex()):
+        beta, alpha = int(beta), int(alpha)
     low = self.dtype in (torch.bfloat16, torch.float16)
     out = product(torch.float32 if low else None)
     if alpha != 1:
@@ -472,7 +476,7 @@ def _of_floats(op):
 def _float64_by(op):
     """torch's own decomposition of ``op`` for float64 tensors: torch_xla's kernels for
     these compute with float32 constants (gelu's 1/sqrt(2), threshold's value, layer
-    norm's eps), 1e-9 to 4e-8 off where float64 is good to 1e-16. Other dtypes keep
+    norm's and logit's eps), 1e-9 to 4e-8 off where float64 is good to 1e-16. Other dtypes keep
     XLA's kernel."""
     from torch._decomp import decomposition_table
     decomp = decomposition_table[op]
@@ -551,7 +555,8 @@ def table() -> Dict[object, Callable]:
         aten.erfinv.default: _of_floats(aten.erfinv.default),
         **{op: _float64_by(op) for op in (
             aten.gelu.default, aten.gelu_backward.default, aten.threshold.default,
-            aten.threshold_backward.default, aten.native_layer_norm.default)},
+            aten.threshold_backward.default, aten.native_layer_norm.default,
+            aten.logit.default, aten.logit_backward.default)},
         aten.hardsigmoid_backward.default: hardsigmoid_backward,
         aten.log2.default: _float64_log(2.0),
         aten.log10.default: _float64_log(10.0),
