@@ -355,6 +355,12 @@ EXACT = {
         F.avg_pool2d(i.reshape(1, 1, 4, 4) * 3 - 5, 2, divisor_override=3)],
     "erfc and erfinv of int64": lambda i, n: [torch.erfc(i), torch.erfinv(i.clamp(0, 1) - 1)],
     "roll of an empty tensor": lambda i, n: torch.roll(i[:0], 1, 0),
+    # from the bool samples: torch_xla failed to lower float ops of a bool tensor (an
+    # untyped error), and its isneginf of one was True where the value was
+    "float ops, isnan and isneginf of a bool tensor": lambda i, n: [
+        (i > 2).exp(), (i > 2).sqrt(), (i > 2).sigmoid(), (i > 2).cos(), 1 / (i > 2),
+        torch.isnan(i > 2), torch.isneginf(i > 0), torch.isinf(i),
+        torch.copysign(i > 2, i < 0)],
     # torch's kernels truncate a float beta/alpha for integer tensors (0.6 is 0)
     "addbmm and addmm of int64, float beta and alpha": lambda i, n: [
         torch.addbmm(i[:, :2], i.reshape(2, 2, 4), i.reshape(2, 2, 4).mT, beta=0.6, alpha=2.5),

@@ -516,11 +516,26 @@ class _Replay(torch.fx.Interpreter):
         dev = kwargs.get("device") if kwargs else None
         if dev is not None and torch.device(dev).type == "cpu":
             kwargs = dict(kwargs, device=self.device)
+        args = _bool_as_float(target, args, self._traced)
         vector = _scalars_as_vectors(target, args, kwargs)
         if vector is not None:
             out = super().call_function(target, *vector)
             return _reshaped_as(out, self._traced)
         return super().call_function(target, args, kwargs)
+
+
+def _bool_as_float(target, args, traced):
+    """The args of a one-tensor op that torch computes on a bool tensor in floats
+    (``x.exp()``, ``x.sqrt()``, ``x.sigmoid()`` of a mask) with that tensor cast to the
+    output's dtype first: torch promotes it so, and torch_xla failed to lower the op
+    on booleans (an untyped error)."""
+    if not isinstance(traced, torch.Tensor) or not traced.is_floating_point() or \
+            not isinstance(target, torch._ops.OpOverload):
+        return args
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if len(tensors) != 1 or tensors[0].dtype != torch.bool:
+        return args
+    return tuple(a.to(traced.dtype) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _scalars_as_vectors(target, args, kwargs):

@@ -129,7 +129,7 @@ def signbit(x: torch.Tensor) -> torch.Tensor:
 
 def copysign(a: torch.Tensor, b) -> torch.Tensor:
     neg = signbit(b) if isinstance(b, torch.Tensor) else math.copysign(1.0, b) < 0
-    mag = a.abs() if a.is_floating_point() else a.abs().to(torch.get_default_dtype())
+    mag = a.abs() if a.is_floating_point() else a.to(torch.get_default_dtype()).abs()
     return torch.where(neg, -mag, mag) if isinstance(neg, torch.Tensor) else (-mag if neg else mag)
 
 
@@ -473,6 +473,15 @@ def _of_floats(op):
     return run
 
 
+def _never(x):
+    """isnan / isinf / isposinf / isneginf of an integer or bool tensor: all False, as
+    torch's (torch_xla failed to lower isnan of a bool tensor, and its isneginf of one
+    gave True where the value was True)."""
+    if x.is_floating_point() or x.is_complex():
+        return NotImplemented
+    return torch.zeros_like(x, dtype=torch.bool)
+
+
 def _float64_by(op):
     """torch's own decomposition of ``op`` for float64 tensors: torch_xla's kernels for
     these compute with float32 constants (gelu's 1/sqrt(2), threshold's value, layer
@@ -551,6 +560,8 @@ def table() -> Dict[object, Callable]:
         aten.count_nonzero.dim_IntList: count_nonzero,
         aten.angle.default: angle,
         aten.roll.default: roll,
+        **{op: _never for op in (aten.isnan.default, aten.isinf.default,
+                                 aten.isposinf.default, aten.isneginf.default)},
         aten.erfc.default: _of_floats(aten.erfc.default),
         aten.erfinv.default: _of_floats(aten.erfinv.default),
         **{op: _float64_by(op) for op in (
