@@ -306,13 +306,18 @@ def test_float64_interpolation_is_torch_in_double(s1, mode, kwargs):
     """torch computes linear and cubic taps in double for float64 inputs: so does the
     formula (in float32 they were 1e-9 off, and torch_xla's own bilinear 2e-7)."""
     x = IMG.double()[:, None] if mode == "trilinear" else IMG.double()
-    fn = lambda t: F.interpolate(t, mode=mode, **kwargs)    # noqa: E731
+    _assert_torch_in_double(s1, lambda t: F.interpolate(t, mode=mode, **kwargs), x, 1e-12)
+
+
+def _assert_torch_in_double(s1, fn, x: torch.Tensor, tol: float) -> None:
+    """``fn``'s value and gradient on float64 ``x``, in a program, within ``tol`` of
+    torch's."""
     w = torch.randn(fn(x).shape, generator=torch.Generator().manual_seed(1),
                     dtype=torch.float64)
     want_y, want_g = _value_and_grad(fn)(x, w)
     got_y, got_g = pw.program(_value_and_grad(fn))(pw.put(x, s1), pw.put(w, s1))
-    torch.testing.assert_close(got_y.torch(), want_y.detach(), atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(got_g.torch(), want_g, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got_y.torch(), want_y.detach(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got_g.torch(), want_g, atol=tol, rtol=tol)
 
 
 F64 = {
@@ -328,15 +333,9 @@ F64 = {
 def test_float64_ops_are_torch_in_double(s1, case):
     """torch_xla's kernels for these compute float64 tensors with float32 constants
     (gelu's 1/sqrt(2), ln 2, threshold's value, layer norm's and logit's eps): 1e-9 to
-    4e-8 off before stop 34. hardsigmoid's gradient is torch's CPU kernel's, whose 1/6 is a
-    float32 in every dtype."""
-    fn, x = F64[case], VEC.double()
-    w = torch.randn(fn(x).shape, generator=torch.Generator().manual_seed(1),
-                    dtype=torch.float64)
-    want_y, want_g = _value_and_grad(fn)(x, w)
-    got_y, got_g = pw.program(_value_and_grad(fn))(pw.put(x, s1), pw.put(w, s1))
-    torch.testing.assert_close(got_y.torch(), want_y.detach(), atol=1e-13, rtol=1e-13)
-    torch.testing.assert_close(got_g.torch(), want_g, atol=1e-13, rtol=1e-13)
+    4e-8 off before stop 34. hardsigmoid's gradient is torch's CPU kernel's, whose 1/6
+    is a float32 in every dtype."""
+    _assert_torch_in_double(s1, F64[case], VEC.double(), 1e-13)
 
 
 INTS = torch.tensor([[3, 1, 3, 2, 5, 5, 0, -7], [4, 4, -2, 9, 9, -9, 1, 0]])

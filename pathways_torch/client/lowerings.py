@@ -172,7 +172,7 @@ def cummax(x: torch.Tensor, dim: int):
 def cummin(x: torch.Tensor, dim: int):
     """The running minimum as the running maximum of ``-x`` (the same last-index rule
     on ties; torch_xla's cummin runs on the CPU)."""
-    values, indices = cummax(-x, dim) if x.dim() else torch.ops.aten.cummax.default(-x, dim)
+    values, indices = torch.ops.aten.cummax.default(-x, dim)   # traced through cummax
     return -values, indices
 
 
