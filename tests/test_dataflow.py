@@ -326,3 +326,27 @@ def test_graphs_that_feed_each_other(slices):
     for _ in range(40):
         want = want * 2 + 1
     torch.testing.assert_close(y.torch(), want)
+
+
+def test_after_a_wait_over_several_slices_completion_arrives_unasked(slices):
+    """Once a pw.wait over several slices has used their streams, each batch of work
+    sent to them ends with a watermark request: their executors say when the work is
+    done before anyone waits, so the next wait reads local state (no round trip).
+    Values, and the order of later ops (their sequence numbers), stay exact."""
+    a, b = slices((2,), island=0), slices((2,), island=1)
+    pw.wait([pw.put(torch.zeros(2), a), pw.put(torch.zeros(2), b)])
+    assert a._conn.watching and b._conn.watching
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    for step in range(3):
+        ya, yb = affine(pw.put(xs[0], a)), affine(pw.put(xs[1], b, P("data", None)))
+        deadline = time.monotonic() + 30
+        while not all(y._conn.known([y._id], y._seq) for y in (ya, yb)):
+            assert time.monotonic() < deadline, "no watermark arrived without a wait"
+            time.sleep(0.01)
+        pw.wait([ya, yb])
+        torch.testing.assert_close(ya.torch(), xs[0] * 2 + 1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(yb.torch(), xs[1] * 2 + 1, rtol=1e-5, atol=1e-6)
+    # a single-slice wait and a transfer after the unasked watermarks
+    moved = affine(ya.to(b))
+    moved.wait()
+    torch.testing.assert_close(moved.torch(), (xs[0] * 2 + 1) * 2 + 1, rtol=1e-5, atol=1e-5)

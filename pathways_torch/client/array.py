@@ -171,7 +171,8 @@ def put(value: Union[torch.Tensor, np.ndarray], slice_: "runtime.Slice", spec=No
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"pw.put takes a torch.Tensor or numpy array, got {type(value).__name__}")
     t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
-    value = value.detach().cpu()
+    if value.requires_grad or value.device.type != "cpu":
+        value = value.detach().cpu()
     spec = as_spec(spec)
     validate_spec(spec, value.shape, slice_.axis_names, slice_.mesh_shape, "pw.put")
     msg = pb.Spec()

@@ -186,17 +186,25 @@ def wait_many(groups: list, timeout: Optional[float]) -> None:
     t = max(conn.timeout if timeout is None else timeout for conn, *_ in groups)
     deadline = time.monotonic() + t
     replies: list = [None] * len(groups)
-    with _WATERMARKS:
-        while True:
-            pending = False
+    while True:
+        with _WATERMARKS:
+            waiting = []
             for k, (conn, ids, seq, _) in enumerate(groups):
                 if replies[k] is None and conn.ask(seq):
                     replies[k] = conn.known(ids, seq)
-                    pending = pending or replies[k] is None
+                    if replies[k] is None:
+                        waiting.append(k)
             left = deadline - time.monotonic()
-            if not pending or left <= 0:
+            if not waiting or left <= 0:
                 break
-            _WATERMARKS.wait(left)
+            countdown = _Countdown(len(waiting))
+            for k in waiting:
+                groups[k][0]._waiters.append((max(groups[k][2], 1), countdown))
+        countdown.event.wait(left)
+        with _WATERMARKS:
+            for k in waiting:
+                conn = groups[k][0]
+                conn._waiters = [w for w in conn._waiters if w[1] is not countdown]
     rpc = [k for k, r in enumerate(replies) if r is None]
     if rpc:
         loop = _Loop.get()
@@ -220,8 +228,20 @@ def wait_many(groups: list, timeout: Optional[float]) -> None:
         raise first
 
 
-# Completion watermarks arrived, a stream broke or stopped vouching: waiters re-check.
-_WATERMARKS = threading.Condition()
+# Guards every connection's watermark state (_done_seq, _failed, _waiters).
+_WATERMARKS = threading.Lock()
+
+
+class _Countdown:
+    """A ``wait_many`` waiting on n slices' watermarks: set once, when the last of them
+    arrived or a stream broke, so the waiting thread wakes once rather than on each
+    watermark (the others would wake it to re-check every slice, k times over k)."""
+
+    __slots__ = ("left", "event")
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.event = threading.Event()
 
 
 class ExecutorConnection:
@@ -256,8 +276,10 @@ class ExecutorConnection:
         # ordered ops is ready, except those in _failed (id -> pb.BufferError).
         self._unvouched = False            # the executor stopped giving watermarks
         self._asked = 0                    # the highest seq a pending WatchOp covers
+        self._watch_drained = False        # end each batch that drains the queue with one
         self._done_seq = 0
         self._failed: dict = {}
+        self._waiters: list = []           # (seq, _Countdown) of wait_many calls
         # pw.DataLoader streams told of their host's made batches (DispatchEvent.made):
         # loader id -> a callable taking each pb.LoaderMade
         self.loader_watchers: Dict[int, Callable] = {}
@@ -369,7 +391,7 @@ class ExecutorConnection:
             ops: List[pb.Op] = []
             releases: List[int] = []
             loaders: List[int] = []
-            size, done = 0, False
+            size, done, tail_watched = 0, False, True
             while True:
                 if item is _CLOSE:
                     done = True
@@ -384,6 +406,7 @@ class ExecutorConnection:
                                                               loader_ids=loaders)))
                         releases, loaders = [], []
                     ops.append(item)
+                    tail_watched = item.HasField("watch")
                     if item.HasField("put"):
                         size += item.ByteSize()
                 if len(ops) >= _MAX_BATCH_OPS or size >= _MAX_BATCH_BYTES:
@@ -391,6 +414,8 @@ class ExecutorConnection:
                 try:
                     item = q.get_nowait()
                 except queue.Empty:
+                    if not tail_watched and self._watch_drained:
+                        self._watch_tail(ops)
                     break
             if releases or loaders:
                 ops.append(pb.Op(release=pb.ReleaseOp(buffer_ids=releases,
@@ -399,6 +424,32 @@ class ExecutorConnection:
                 yield pb.OpBatch(ops=ops)
             if done:
                 return
+
+    def _watch_tail(self, ops: List[pb.Op]) -> None:
+        """End a batch that drained the queue with a WatchOp: on a stream that a
+        multi-slice ``pw.wait`` has used, the executor then pushes a watermark when the
+        work it has been sent is done, before anyone waits, and a later wait on it
+        reads local state instead of asking and waiting for a round trip. One at a
+        time: while a watermark is on its way, a stream dispatching fast gets no more
+        (a chain of programs costs one watermark per round trip, not per batch)."""
+        with self._seq_lock:
+            if not self._q.empty() or self._unvouched or self._done_seq <= self._asked:
+                return      # more ops follow, or a watermark is on its way (see _read)
+            ops.append(self._watch_op())
+
+    def _watch_rest(self) -> None:
+        """A watermark arrived: ask for the next if ops were sent after the last
+        WatchOp (``_watch_tail`` skipped them while one was on its way)."""
+        with self._seq_lock:
+            if self._seq > self._asked + 1 and self._done_seq > self._asked and \
+                    not (self.closed or self.broken or self._unvouched):
+                self._q.put(self._watch_op())
+
+    def _watch_op(self) -> pb.Op:
+        """Under _seq_lock: a WatchOp numbered next; it covers every op before it."""
+        self._seq += 1
+        self._asked = self._seq - 1
+        return pb.Op(watch=pb.WatchOp())
 
     def _read(self) -> None:
         try:
@@ -412,7 +463,10 @@ class ExecutorConnection:
                         self._failed[bid] = err
                     with _WATERMARKS:
                         self._done_seq = max(self._done_seq, ev.done_seq)
-                        _WATERMARKS.notify_all()
+                        if self._waiters:
+                            self._count_down()
+                    if self._watch_drained:
+                        self._watch_rest()
                 elif ev.unwatched:
                     self._unwatched()
                 for made in ev.made:
@@ -427,10 +481,28 @@ class ExecutorConnection:
                 e.set()
             self._unwatched()
 
+    def _count_down(self) -> None:
+        """Under _WATERMARKS: count down the waits the new watermark covers."""
+        left = []
+        for seq, countdown in self._waiters:
+            if self._done_seq >= seq:
+                countdown.left -= 1
+                if countdown.left <= 0:
+                    countdown.event.set()
+            else:
+                left.append((seq, countdown))
+        self._waiters = left
+
+    def _wake_waiters(self) -> None:
+        """Under _WATERMARKS: the stream broke or stopped vouching; waiters re-check."""
+        for _, countdown in self._waiters:
+            countdown.event.set()
+        self._waiters = []
+
     def _unwatched(self) -> None:
         with _WATERMARKS:
             self._unvouched = True
-            _WATERMARKS.notify_all()
+            self._wake_waiters()
 
     def _start_reader(self) -> None:
         if self._reader is None:
@@ -454,7 +526,9 @@ class ExecutorConnection:
             return False
         if self._asked < after_seq and self._done_seq < after_seq:
             self._start_reader()
-            self._asked = self.send(pb.Op(watch=pb.WatchOp()), direct=True) - 1
+            with self._seq_lock:
+                self._q.put(self._watch_op())
+        self._watch_drained = True
         return True
 
     def known(self, buffer_ids: List[int], after_seq: int) -> Optional[pb.WaitReply]:
@@ -478,7 +552,7 @@ class ExecutorConnection:
         for e in list(self._barriers.values()):
             e.set()
         with _WATERMARKS:
-            _WATERMARKS.notify_all()
+            self._wake_waiters()
         for call in list(self._inflight):
             call.cancel()
 
@@ -595,13 +669,17 @@ class ExecutorConnection:
     def _wait(self, buffer_ids: List[int], after_seq: int, what: str,
               timeout: Optional[float]) -> None:
         """One slice's Wait, as a future so that ``mark_lost`` can cancel it; no call
-        when the slice's watermarks (see ``wait_many``) already vouch for the buffers."""
+        when the slice's watermarks (see ``wait_many``) vouch for the buffers or one
+        that will is on its way."""
         self._check()
         t = timeout or self.timeout
         if not self._unvouched:
             rep = self.known(buffer_ids, after_seq)
             if rep is not None:
                 self._wait_result(rep, what, t)
+                return
+            if self._asked >= after_seq:
+                wait_many([(self, buffer_ids, after_seq, what)], timeout)
                 return
         fut = self.stub.Wait.future(pb.WaitRequest(buffer_ids=buffer_ids,
                                                    after_seq=after_seq, timeout_s=t),

@@ -18,6 +18,8 @@ _DTYPES = {
     "complex64": torch.complex64,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+# numpy has these, and tensors of them carry no conjugate or negative view bit
+_NUMPY = frozenset(_DTYPES.values()) - {torch.bfloat16, torch.complex64}
 
 CHUNK_BYTES = 4 << 20
 
@@ -43,7 +45,11 @@ def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
 
 def to_bytes(t: torch.Tensor) -> bytes:
     """The tensor's elements as contiguous little-endian bytes (CPU tensors)."""
-    t = t.detach().contiguous()
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype in _NUMPY:       # one torch call: each one gives up the GIL and takes it back
+        return t.numpy().tobytes()
+    t = t.contiguous()
     if t.numel() == 0:
         return b""
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
