@@ -9,6 +9,8 @@ spread. Scripts that measure themselves against an in-process baseline (dispatch
 
     python bench/script_ab.py --baseline dca0dc9 --script dispatch.py \\
         --args "--steps 1000 --runs 3" --key pathways_us_per_step --rounds 5
+
+``--key`` may be repeated: each number is compared over the same runs.
 """
 
 from __future__ import annotations
@@ -51,32 +53,42 @@ def main() -> None:
     ap.add_argument("--baseline", required=True, help="a git revision of this repository")
     ap.add_argument("--script", required=True, help="a script under bench/")
     ap.add_argument("--args", default="", help="its arguments, one string")
-    ap.add_argument("--key", required=True,
-                    help="the number to compare (dotted path into its JSON)")
+    ap.add_argument("--key", required=True, action="append",
+                    help="the number to compare (dotted path into its JSON); repeat the "
+                         "flag to compare several numbers of the same runs")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     argv = shlex.split(args.args)
     base = pathlib.Path(tempfile.mkdtemp(prefix="pw-baseline-")) / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base),
                     args.baseline], check=True, capture_output=True)
-    rows = []
+    rows: dict = {key: [] for key in args.key}
     try:
         for r in range(args.rounds):
-            a = pick(run(base, args.script, argv), args.key)
-            b = pick(run(ROOT, args.script, argv), args.key)
-            rows.append((a, b, b / a))
-            print(f"round {r}: baseline {a:.4g}, this {b:.4g}, ratio {b / a:.3f}",
-                  file=sys.stderr, flush=True)
+            a_out, b_out = run(base, args.script, argv), run(ROOT, args.script, argv)
+            for key in args.key:
+                a, b = pick(a_out, key), pick(b_out, key)
+                rows[key].append((a, b, b / a))
+                print(f"round {r}: {key}: baseline {a:.4g}, this {b:.4g}, ratio {b / a:.3f}",
+                      file=sys.stderr, flush=True)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
                        capture_output=True)
-    ratios = sorted(x[2] for x in rows)
-    emit({"benchmark": "script_ab", "script": args.script, "args": argv, "key": args.key,
-          "baseline": args.baseline, "rounds": args.rounds,
-          "baseline_median": round(median([x[0] for x in rows]), 4),
-          "this_median": round(median([x[1] for x in rows]), 4),
-          "ratio_median": round(median(ratios), 3), "ratio_min": round(ratios[0], 3),
-          "ratio_max": round(ratios[-1], 3), "time": time.strftime("%Y-%m-%d %H:%M")})
+
+    def summary(key: str) -> dict:
+        ratios = sorted(x[2] for x in rows[key])
+        return {"key": key, "baseline_median": round(median([x[0] for x in rows[key]]), 4),
+                "this_median": round(median([x[1] for x in rows[key]]), 4),
+                "ratio_median": round(median(ratios), 3), "ratio_min": round(ratios[0], 3),
+                "ratio_max": round(ratios[-1], 3)}
+
+    out = {"benchmark": "script_ab", "script": args.script, "args": argv,
+           "baseline": args.baseline, "rounds": args.rounds}
+    if len(args.key) == 1:
+        out.update(summary(args.key[0]))
+    else:
+        out["keys"] = [summary(key) for key in args.key]
+    emit(dict(out, time=time.strftime("%Y-%m-%d %H:%M")))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ class _CloseLoader:
     def __init__(self, loader_id: int) -> None:
         self.loader_id = loader_id
 _MAX_BATCH_OPS = 512
+# Watermarks a stream asks for unasked after each multi-slice wait (_watch_tail): one for
+# the work sent next, one for what follows it while that one is on its way.
+_UNASKED = 2
 _MAX_BATCH_BYTES = 8 << 20
 # Puts of at least this many bytes use the data plane; smaller ones ride the control
 # stream, as fast or faster there (64 KiB: 0.95-1.48 ms on the stream, 1.36-1.47 ms on
@@ -276,7 +279,7 @@ class ExecutorConnection:
         # ordered ops is ready, except those in _failed (id -> pb.BufferError).
         self._unvouched = False            # the executor stopped giving watermarks
         self._asked = 0                    # the highest seq a pending WatchOp covers
-        self._watch_drained = False        # end each batch that drains the queue with one
+        self._unasked = 0                  # WatchOps the stream may add unasked (_watch_tail)
         self._done_seq = 0
         self._failed: dict = {}
         self._waiters: list = []           # (seq, _Countdown) of wait_many calls
@@ -414,7 +417,7 @@ class ExecutorConnection:
                 try:
                     item = q.get_nowait()
                 except queue.Empty:
-                    if not tail_watched and self._watch_drained:
+                    if not tail_watched and self._unasked:
                         self._watch_tail(ops)
                     break
             if releases or loaders:
@@ -426,15 +429,17 @@ class ExecutorConnection:
                 return
 
     def _watch_tail(self, ops: List[pb.Op]) -> None:
-        """End a batch that drained the queue with a WatchOp: on a stream that a
-        multi-slice ``pw.wait`` has used, the executor then pushes a watermark when the
-        work it has been sent is done, before anyone waits, and a later wait on it
-        reads local state instead of asking and waiting for a round trip. One at a
-        time: while a watermark is on its way, a stream dispatching fast gets no more
-        (a chain of programs costs one watermark per round trip, not per batch)."""
+        """End a batch that drained the queue with a WatchOp: after a multi-slice
+        ``pw.wait`` on this stream, the executor then pushes a watermark when the work
+        sent next is done, before anyone waits, and the next wait reads local state
+        instead of asking and waiting for a round trip. One at a time (while one is on
+        its way, ``_read`` asks for the rest when it arrives), and at most ``_UNASKED``
+        after each wait: a client that submits work without waiting gets no stream of
+        watermarks to read."""
         with self._seq_lock:
             if not self._q.empty() or self._unvouched or self._done_seq <= self._asked:
                 return      # more ops follow, or a watermark is on its way (see _read)
+            self._unasked -= 1
             ops.append(self._watch_op())
 
     def _watch_rest(self) -> None:
@@ -442,7 +447,8 @@ class ExecutorConnection:
         WatchOp (``_watch_tail`` skipped them while one was on its way)."""
         with self._seq_lock:
             if self._seq > self._asked + 1 and self._done_seq > self._asked and \
-                    not (self.closed or self.broken or self._unvouched):
+                    self._unasked and not (self.closed or self.broken or self._unvouched):
+                self._unasked -= 1
                 self._q.put(self._watch_op())
 
     def _watch_op(self) -> pb.Op:
@@ -465,7 +471,7 @@ class ExecutorConnection:
                         self._done_seq = max(self._done_seq, ev.done_seq)
                         if self._waiters:
                             self._count_down()
-                    if self._watch_drained:
+                    if self._unasked:
                         self._watch_rest()
                 elif ev.unwatched:
                     self._unwatched()
@@ -528,7 +534,7 @@ class ExecutorConnection:
             self._start_reader()
             with self._seq_lock:
                 self._q.put(self._watch_op())
-        self._watch_drained = True
+        self._unasked = _UNASKED
         return True
 
     def known(self, buffer_ids: List[int], after_seq: int) -> Optional[pb.WaitReply]:
