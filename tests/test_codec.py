@@ -22,6 +22,16 @@ def test_non_contiguous_and_empty():
     assert e.shape == (0, 4)
 
 
+def test_lazy_views_and_tensors_that_need_grad_give_their_values():
+    z = torch.randn(3, 4, dtype=torch.complex64)
+    x = torch.randn(3, 4, requires_grad=True)
+    for t, want in ((z.conj(), z.conj().resolve_conj()), (torch._neg_view(x.detach()), -x),
+                    (x, x), (torch.randn(5).bfloat16().t(), None)):
+        want = t.detach() if want is None else want.detach()
+        back = codec.from_bytes(codec.to_bytes(t), codec.dtype_name(t.dtype), t.shape)
+        assert torch.equal(back, want)
+
+
 def test_length_mismatch_is_rejected():
     with pytest.raises(ValueError, match="needs 16"):
         codec.from_bytes(b"\0" * 12, "float32", (2, 2))

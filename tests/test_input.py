@@ -68,11 +68,14 @@ def test_put_and_fetch_empty_non_contiguous_and_scalars(islands, path):
     stats = s.stats()
     before, sent = stats.bytes_received, stats.bytes_sent
     base = torch.randn(64, 48)
+    z = torch.randn(64, 48, dtype=torch.complex64)
     for x in (base.t(), base[::2, 1::3], base[:, :0], torch.zeros(0, 5),
-              torch.tensor(3.5), base.expand(2, 64, 48)):
-        a = pw.put(x, s)
+              torch.tensor(3.5), base.expand(2, 64, 48), torch.randn(3, 4, requires_grad=True),
+              z.conj(), z.conj().t(), torch._neg_view(base)):
+        a = pw.put(x, s)        # lazy conjugate and negative views put their values
         back = a.torch()
-        assert back.shape == x.shape and torch.equal(back, x)
+        assert back.shape == x.shape and torch.equal(back, x.detach().resolve_conj()
+                                                     .resolve_neg())
         assert back.is_contiguous()
     # the caller may change its tensor once put returns: the put took its bytes
     x = torch.randn(256, 256)

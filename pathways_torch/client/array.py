@@ -173,6 +173,8 @@ def put(value: Union[torch.Tensor, np.ndarray], slice_: "runtime.Slice", spec=No
     t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
     if value.requires_grad or value.device.type != "cpu":
         value = value.detach().cpu()
+    if value.is_conj() or value.is_neg():       # a lazy view (x.conj()): its values
+        value = value.resolve_conj().resolve_neg()
     spec = as_spec(spec)
     validate_spec(spec, value.shape, slice_.axis_names, slice_.mesh_shape, "pw.put")
     msg = pb.Spec()

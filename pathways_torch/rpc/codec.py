@@ -47,9 +47,9 @@ def to_bytes(t: torch.Tensor) -> bytes:
     """The tensor's elements as contiguous little-endian bytes (CPU tensors)."""
     if t.requires_grad:
         t = t.detach()
-    if t.dtype in _NUMPY:       # one torch call: each one gives up the GIL and takes it back
+    if t.dtype in _NUMPY and not t.is_neg():  # one torch call: each gives up the GIL
         return t.numpy().tobytes()
-    t = t.contiguous()
+    t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return b""
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
