@@ -2,7 +2,22 @@
 
 import os
 import socket
+import sys
 import time
+
+# Run first in the new process, a fresh interpreter: ask for SIGTERM when the parent
+# dies, exit if it already has, then exec the command. Not a preexec_fn: that runs
+# Python in a fork of the (multi-threaded) test process, where a lock another thread
+# held at the fork never comes free; ctypes.CDLL's dlopen hung there for 300 s in a
+# CI run (the client never started).
+_WATCH = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 15); "
+          "os.getppid() == int(sys.argv[1]) or os._exit(0); "
+          "os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def watched(cmd: list) -> list:
+    """``cmd`` (its first item an absolute path) so that it dies with this process."""
+    return [sys.executable, "-c", _WATCH, str(os.getpid()), *cmd]
 
 
 def _stat(pid):

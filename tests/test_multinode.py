@@ -10,10 +10,12 @@ import time
 
 import pytest
 
-from pathways_torch import _proc
-from procs import port_closed, wait_gone
+from procs import port_closed, wait_gone, watched
 
-RUN = [sys.executable, "-m", "pathways_torch"]
+# Every process the tests start dies with the test's process (PR_SET_PDEATHSIG, kept
+# across exec), so a pytest run that is hard-killed takes them along; their own children
+# (a supervisor's agent, an agent's executors) watch them in turn.
+RUN = watched([sys.executable, "-m", "pathways_torch"])
 TOKEN = "t0ps3cret"
 
 CLIENT = textwrap.dedent("""
@@ -35,14 +37,6 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-def _die_with_this_test(parent=os.getpid()):
-    """preexec_fn of every process the tests start: the parent watch the cluster's own
-    processes have (``pathways_torch._proc.die_with_parent``, PR_SET_PDEATHSIG, kept
-    across exec), so a pytest run that is hard-killed takes them along. Their own
-    children (a supervisor's agent, an agent's executors) watch them in turn."""
-    _proc.die_with_parent(parent)
-
-
 class Proc:
     """A pathways-run process whose output goes to a file (read with ``text()``); it is
     added to ``into`` (the test's list, stopped in its ``finally``) as soon as it runs."""
@@ -51,8 +45,7 @@ class Proc:
         self.log = tmp_path / f"{name}.log"
         with open(self.log, "wb") as out:
             self.p = subprocess.Popen(RUN + args, env=env, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=_die_with_this_test)
+                                      stderr=subprocess.STDOUT, start_new_session=True)
         into.append(self)
 
     def text(self):
@@ -132,8 +125,7 @@ def run_client(tmp_path, address, token=TOKEN):
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
     return subprocess.run(RUN + ["--address", address, str(script)], env=base_env(token),
-                          capture_output=True, text=True, timeout=300,
-                          preexec_fn=_die_with_this_test)
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_workers_started_before_the_coordinator_wait_for_it_and_serve_clients(tmp_path):
@@ -198,13 +190,12 @@ def test_workers_bound_to_every_interface_advertise_an_address_others_can_dial(t
 def test_listening_beyond_loopback_needs_a_token(tmp_path):
     e = base_env(token="")
     r = subprocess.run(RUN + ["--coordinator", "--host", "0.0.0.0", "--port", "0"], env=e,
-                       capture_output=True, text=True, timeout=120,
-                       preexec_fn=_die_with_this_test)
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "token" in r.stderr and "PATHWAYS_TOKEN" in r.stderr
     r = subprocess.run(RUN + ["--worker", "--coordinator-address", "127.0.0.1:1",
                               "--bind-host", "0.0.0.0"], env=e, capture_output=True,
-                       text=True, timeout=120, preexec_fn=_die_with_this_test)
+                       text=True, timeout=120)
     assert r.returncode != 0 and "token" in r.stderr
 
 
@@ -213,7 +204,7 @@ def test_worker_mode_needs_a_coordinator_address():
     e.pop("MASTER_ADDR", None)
     e.pop("PATHWAYS_COORDINATOR_ADDRESS", None)
     r = subprocess.run(RUN + ["--worker"], env=e, capture_output=True, text=True,
-                       timeout=60, preexec_fn=_die_with_this_test)
+                       timeout=60)
     assert r.returncode == 2 and "--coordinator-address" in r.stderr
 
 
@@ -284,7 +275,7 @@ def test_a_batch_job_forms_restarts_a_dead_agent_and_ends_when_its_client_does(t
         r = subprocess.run(RUN + ["--address", address, "--wait-for-hosts", "2",
                                   "--shutdown-cluster", "--token-file", str(token_file),
                                   str(script)], env=env, capture_output=True, text=True,
-                           timeout=300, preexec_fn=_die_with_this_test)
+                           timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "RESULT [0.0, 4.0, 8.0, 12.0]" in r.stdout
         for p in [coord] + workers:

@@ -125,12 +125,12 @@ def _value_and_grad(op, leaves, spec, positions):
 
 def _worst(got, want) -> float:
     """The largest |got - want| / (1 + |want|) over every output; inf where shapes,
-    NaNs or integer values differ."""
+    dtypes, NaNs or integer values differ."""
     if len(got) != len(want):
         return math.inf
     worst = 0.0
     for g, w in zip(got, want):
-        if g.shape != w.shape:
+        if g.shape != w.shape or g.dtype != w.dtype:
             return math.inf
         if not w.is_floating_point():
             if not torch.equal(g, w):

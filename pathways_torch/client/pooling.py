@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -284,13 +285,27 @@ def _dilated(dilation, k: int) -> bool:
     return any(d != 1 for d in _expand(dilation, k))
 
 
+_inside = threading.local()
+
+
 def max_pool(x: torch.Tensor, kernel, stride=(), padding=0, dilation=1,
              ceil_mode: bool = False, *, k: int):
     """``aten.max_pool{k}d_with_indices`` with a dilation, which torch_xla runs on the
     CPU: the windows gathered (padding never wins, as torch's -inf), their first
-    maxima."""
+    maxima. Without one, torch_xla's kernel, whose indices are int32 under a tensor
+    that says int64 (``return_indices=True`` fetched int32, and torch_xla refuses to
+    convert them to int32 first): an addition widens them, as it widens its operands
+    to the result's type."""
     if not _dilated(dilation, k):
-        return NotImplemented
+        if getattr(_inside, "max_pool", False):
+            return NotImplemented
+        _inside.max_pool = True
+        try:
+            values, index = getattr(torch.ops.aten, f"max_pool{k}d_with_indices").default(
+                x, kernel, stride, padding, dilation, ceil_mode)
+        finally:
+            _inside.max_pool = False
+        return values, index + 0
     ins = list(x.shape[-k:])
     kernel, stride, padding = _geometry(k, kernel, stride, padding)
     wins = [[[i * s - p + j * dl for j in range(kk)]
