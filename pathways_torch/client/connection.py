@@ -394,7 +394,7 @@ class ExecutorConnection:
             ops: List[pb.Op] = []
             releases: List[int] = []
             loaders: List[int] = []
-            size, done, tail_watched = 0, False, True
+            size, done = 0, False
             while True:
                 if item is _CLOSE:
                     done = True
@@ -409,7 +409,6 @@ class ExecutorConnection:
                                                               loader_ids=loaders)))
                         releases, loaders = [], []
                     ops.append(item)
-                    tail_watched = item.HasField("watch")
                     if item.HasField("put"):
                         size += item.ByteSize()
                 if len(ops) >= _MAX_BATCH_OPS or size >= _MAX_BATCH_BYTES:
@@ -417,7 +416,7 @@ class ExecutorConnection:
                 try:
                     item = q.get_nowait()
                 except queue.Empty:
-                    if not tail_watched and self._unasked:
+                    if self._unasked and ops and not ops[-1].HasField("watch"):
                         self._watch_tail(ops)
                     break
             if releases or loaders:

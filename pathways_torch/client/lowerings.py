@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import threading
@@ -139,33 +140,45 @@ def round_decimals(x: torch.Tensor, decimals: int = 0) -> torch.Tensor:
     return torch.round(x * ten) / ten if decimals >= 0 else torch.round(x / ten) * ten
 
 
-_inside = threading.local()
+def outermost(formula):
+    """``formula`` at its outermost call only: a formula that calls its own aten op
+    (to correct torch_xla's kernel) is traced through this table again, and that
+    inner call must take the kernel (NotImplemented) instead of recursing."""
+    inside = threading.local()
+
+    @functools.wraps(formula)
+    def run(*args, **kwargs):
+        if getattr(inside, "on", False):
+            return NotImplemented
+        inside.on = True
+        try:
+            return formula(*args, **kwargs)
+        finally:
+            inside.on = False
+    return run
 
 
+@outermost
 def cummax(x: torch.Tensor, dim: int):
     """The running maximum with torch's index: the last position where it was reached
     (torch's CPU kernel takes ``x >= max``); from the first NaN on the maximum is NaN
     and the index the latest NaN's. torch_xla's index is the first position
     (``[3, 1, 3]`` gave index 0 where torch gives 2), and its maximum skips NaNs."""
-    if getattr(_inside, "cummax", False) or x.dim() == 0:
+    if x.dim() == 0:
         return NotImplemented
-    _inside.cummax = True
-    try:
-        values = torch.ops.aten.cummax.default(x, dim)[0]
-        shape = [1] * x.dim()
-        shape[dim] = x.shape[dim]
-        pos = torch.arange(x.shape[dim], device=x.device).reshape(shape).expand(x.shape)
-        if x.is_floating_point():
-            nan = torch.isnan(x)
-            values = torch.where(torch.cumsum(nan.int(), dim) > 0,
-                                 torch.full_like(values, math.nan), values)
-            hit = (x == values) | nan
-        else:
-            hit = x == values
-        index = torch.ops.aten.cummax.default(
-            torch.where(hit, pos, torch.full_like(pos, -1)), dim)[0]
-    finally:
-        _inside.cummax = False
+    values = torch.ops.aten.cummax.default(x, dim)[0]
+    shape = [1] * x.dim()
+    shape[dim] = x.shape[dim]
+    pos = torch.arange(x.shape[dim], device=x.device).reshape(shape).expand(x.shape)
+    if x.is_floating_point():
+        nan = torch.isnan(x)
+        values = torch.where(torch.cumsum(nan.int(), dim) > 0,
+                             torch.full_like(values, math.nan), values)
+        hit = (x == values) | nan
+    else:
+        hit = x == values
+    index = torch.ops.aten.cummax.default(
+        torch.where(hit, pos, torch.full_like(pos, -1)), dim)[0]
     return values, index
 
 

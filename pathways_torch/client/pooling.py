@@ -35,11 +35,12 @@ Example::
 from __future__ import annotations
 
 import itertools
-import threading
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from .lowerings import outermost
 
 
 def _expand(v: Sequence[int], k: int) -> List[int]:
@@ -285,9 +286,7 @@ def _dilated(dilation, k: int) -> bool:
     return any(d != 1 for d in _expand(dilation, k))
 
 
-_inside = threading.local()
-
-
+@outermost
 def max_pool(x: torch.Tensor, kernel, stride=(), padding=0, dilation=1,
              ceil_mode: bool = False, *, k: int):
     """``aten.max_pool{k}d_with_indices`` with a dilation, which torch_xla runs on the
@@ -297,14 +296,8 @@ def max_pool(x: torch.Tensor, kernel, stride=(), padding=0, dilation=1,
     convert them to int32 first): an addition widens them, as it widens its operands
     to the result's type."""
     if not _dilated(dilation, k):
-        if getattr(_inside, "max_pool", False):
-            return NotImplemented
-        _inside.max_pool = True
-        try:
-            values, index = getattr(torch.ops.aten, f"max_pool{k}d_with_indices").default(
-                x, kernel, stride, padding, dilation, ceil_mode)
-        finally:
-            _inside.max_pool = False
+        values, index = getattr(torch.ops.aten, f"max_pool{k}d_with_indices").default(
+            x, kernel, stride, padding, dilation, ceil_mode)
         return values, index + 0
     ins = list(x.shape[-k:])
     kernel, stride, padding = _geometry(k, kernel, stride, padding)
