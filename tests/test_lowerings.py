@@ -417,6 +417,41 @@ def test_half_precision_sums_accumulate_in_float32_like_torch(s1, case, dtype):
     assert ulps <= 1.0, f"{ulps:.1f} ulps from torch"
 
 
+WIDENED = {
+    # each op's result is rounded to the half type before it is widened, as in torch
+    "a quotient, .float()": lambda x: (x / 7).float(),
+    "a mean, .float() (a model's reported loss)": lambda x: (x.sum(0) / 7).float(),
+    "exp, .to(float32)": lambda x: x.exp().to(torch.float32),
+    "a matmul, .float() (logits widened for the loss)": lambda x: (x[:8] @ x[:8].T).float(),
+    "a quotient promoted by a float32 operand": lambda x: (x / 7) * torch.ones(100),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", list(WIDENED))
+def test_half_precision_results_are_rounded_before_they_widen(s1, case, dtype):
+    """XLA keeps a half-precision result in float32 where the next op widens it (its
+    simplify-fp-conversions pass). Before the executors turned that off, every
+    bfloat16 case here failed (``(x / 7).float()`` was x / 7 in float32, not a bfloat16
+    value; exp 2.8 off): so did a BERT's reported loss, 4.2292 where torch's bfloat16
+    loss can only be a multiple of 1/32. float16 was not affected on this CPU."""
+    x = (torch.randn(80, 100, generator=torch.Generator().manual_seed(4)) * 2).to(dtype)
+    want = WIDENED[case](x)
+    got = pw.program(WIDENED[case])(pw.put(x, s1)).torch()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.to(dtype).to(got.dtype), got), "not a value of the half type"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_users_excess_precision_flag_wins():
+    from pathways_torch.worker.devices import with_torch_rounding
+    assert with_torch_rounding("") == "--xla_allow_excess_precision=false"
+    assert with_torch_rounding("--xla_dump_to=/d") == \
+        "--xla_dump_to=/d --xla_allow_excess_precision=false"
+    mine = "--xla_allow_excess_precision=true --xla_dump_to=/d"
+    assert with_torch_rounding(mine) == mine
+
+
 REFUSED = {
     # ops torch_xla runs on the CPU that have no formula here (index_reduce's XLA path
     # falls back for "amax"; scatter_reduce's did too, and aborted the client)

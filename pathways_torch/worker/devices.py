@@ -1,4 +1,5 @@
-"""Which environment variables give a process exactly a given set of the host's devices.
+"""The environment of a process that runs programs: exactly a given set of the host's
+devices, and XLA rounding as torch does.
 
 The device kind comes from ``PJRT_DEVICE``; nothing here is wired to the CPU.
 """
@@ -7,6 +8,26 @@ from __future__ import annotations
 
 import os
 from typing import Dict, Sequence
+
+
+#: XLA may keep a half-precision op's result in float32 where the next op widens it
+#: again (its ``simplify-fp-conversions`` pass, on by default). torch rounds every op's
+#: result to its dtype, so ``loss.float()`` of a bfloat16 loss must be a bfloat16 value.
+EXACT_ROUNDING = "--xla_allow_excess_precision=false"
+
+
+def with_torch_rounding(xla_flags: str) -> str:
+    """``XLA_FLAGS`` for a process that runs programs: ``xla_flags`` with XLA told to
+    round as torch does, unless they already say ``--xla_allow_excess_precision`` (the
+    user's choice wins). Must be set before the process initializes XLA.
+
+    Example::
+
+        os.environ["XLA_FLAGS"] = with_torch_rounding(os.environ.get("XLA_FLAGS", ""))
+    """
+    if "xla_allow_excess_precision" in xla_flags:
+        return xla_flags
+    return f"{xla_flags} {EXACT_ROUNDING}".strip()
 
 
 def device_kind() -> str:

@@ -46,8 +46,9 @@ def run_executor(req: dict) -> None:
     """Entry point of a forked executor process (see agent.Zygote)."""
     import faulthandler
     faulthandler.enable()               # a crash leaves its stacks in the worker's log
-    from .devices import slice_env
+    from .devices import slice_env, with_torch_rounding
     os.environ.update(slice_env(req["kind"], req["devices"]))
+    os.environ["XLA_FLAGS"] = with_torch_rounding(os.environ.get("XLA_FLAGS", ""))
     from .. import _proc
     from ..rpc import grpc_util
     from ..rpc import pathways_pb2 as pb

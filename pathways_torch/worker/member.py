@@ -903,7 +903,9 @@ def run_member(req: dict) -> None:
     from ..rpc import grpc_util
     from ..rpc import pathways_pb2 as pb
     from ..rpc import pathways_pb2_grpc as pbg
+    from .devices import with_torch_rounding
     _proc.die_with_parent(int(req["agent_pid"]), signal.SIGKILL)
+    os.environ["XLA_FLAGS"] = with_torch_rounding(os.environ.get("XLA_FLAGS", ""))
     agent = pbg.WorkerStub(grpc_util.channel(req["agent_address"]))
     bind = req["bind_host"]
     advertise = req.get("advertise_host") or bind
