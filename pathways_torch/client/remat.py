@@ -190,10 +190,14 @@ def tie_regions(gm) -> int:
     for members in regions.values():
         inside = set(members)
         first = min(members, key=order.get)
+        written = _written(members, inside)
         inputs = list(dict.fromkeys(
             a for m in members for a in m.all_input_nodes
-            if a not in inside and isinstance(a.meta.get("val"), torch.Tensor)))
+            if a not in inside and a not in written
+            and isinstance(a.meta.get("val"), torch.Tensor)))
         ext = [a for a in inputs if not _from_inputs(a)] or inputs
+        if not ext:
+            continue
         latest = next((n for n in reversed(nodes[:order[first]])
                        if n.op == "call_function" and not n.meta.get(KEY)
                        and isinstance(n.meta.get("val"), torch.Tensor)), None)
@@ -210,6 +214,34 @@ def tie_regions(gm) -> int:
         graph.lint()
         gm.recompile()
     return tied
+
+
+def _written(members: list, inside: set) -> set:
+    """The values from outside a region that its ops write in place (through views made
+    inside it): a batch norm's running statistics, which torch's recomputation updates a
+    second time. They stay untied, or the update would go to the tie's copy."""
+    written = set()
+    for m in members:
+        schema = getattr(m.target, "_schema", None)
+        if m.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for k, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            value = m.args[k] if k < len(m.args) else m.kwargs.get(arg.name)
+            if info is None or not info.is_write or not isinstance(value, torch.fx.Node):
+                continue
+            while value in inside and _aliases_first(value):
+                value = value.args[0]
+            written.add(value)
+    return written
+
+
+def _aliases_first(node) -> bool:
+    """The op returns its first argument or a view of it (``view``, ``copy_``)."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.arguments and node.args
+                and schema.arguments[0].alias_info is not None
+                and isinstance(node.args[0], torch.fx.Node))
 
 
 # ops that only view, detach or cast their first argument (autocast's copies of weights)
