@@ -346,12 +346,17 @@ def scatter_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch
     return torch.ops.aten.scatter_reduce.two(base, dim, index, src, reduce, include_self=True)
 
 
-def batch_norm_backward_eval(grad_out, input, weight, running_mean, running_var,
-                             save_mean, save_invstd, train, eps, output_mask):
-    """The backward of a batch norm in eval mode (frozen with ``.eval()`` while the rest
-    trains): torch_xla's kernel expects the batch statistics a training forward saves
-    and fails without them; torch's decomposition uses the running ones."""
-    if train:
+def batch_norm_backward(grad_out, input, weight, running_mean, running_var,
+                        save_mean, save_invstd, train, eps, output_mask):
+    """torch's decomposition of a batch norm's backward where XLA's kernel cannot serve:
+    - in eval mode (frozen with ``.eval()`` while the rest trains): torch_xla's kernel
+      expects the batch statistics a training forward saves and fails without them;
+    - in half precision or mixed (a convolution's bfloat16 output under autocast into
+      float32 statistics): XLA's BatchNormGrad refuses mixed precision at compile time,
+      and torch's kernel computes in float32 (the decomposition does, then rounds)."""
+    floats = {t.dtype for t in (grad_out, input, weight, save_mean, save_invstd)
+              if t is not None}
+    if train and len(floats) == 1 and input.dtype not in (torch.float16, torch.bfloat16):
         return NotImplemented                 # XLA's own kernel
     from torch._decomp.decompositions import native_batch_norm_backward
     return native_batch_norm_backward(grad_out, input, weight, running_mean, running_var,
@@ -575,7 +580,7 @@ def table() -> Dict[object, Callable]:
         aten.linalg_cholesky_ex.default: cholesky_ex,
         aten.linalg_solve_triangular.default: solve_triangular,
         aten._linalg_check_errors.default: _no_check,
-        aten.native_batch_norm_backward.default: batch_norm_backward_eval,
+        aten.native_batch_norm_backward.default: batch_norm_backward,
         aten.searchsorted.Tensor: searchsorted,
         aten._efficientzerotensor.default: efficient_zeros,
         aten.as_strided.default: as_strided,
