@@ -370,6 +370,28 @@ EXACT = {
     "addbmm and addmm of int64, float beta and alpha": lambda i, n: [
         torch.addbmm(i[:, :2], i.reshape(2, 2, 4), i.reshape(2, 2, 4).mT, beta=0.6, alpha=2.5),
         torch.addmm(i[:, :2], i[:, :4], i[:, 4:].T, beta=1.5, alpha=0.2)],
+    # (stop 36, from torch's int8/int32/uint8/bool OpInfo samples) torch_xla's int8
+    # remainder was uint8 (-7 % -2 gave 255); cummin of uint8 was the running maximum of
+    # the wrapped negation (255 came out as the minimum of [0, 255]); cummax and cummin
+    # along a dimension of 17, 33 or 50 failed to compile (any dtype); heaviside of
+    # integers failed to lower (an untyped error); sign of a bool tensor was uint8
+    "remainder of int8, int16 and uint8": lambda i, n: [
+        torch.remainder(i.to(torch.int8) * 15, i.to(torch.int8).flip(1).clamp(min=1) * 2 - 11),
+        torch.remainder(i.to(torch.int8) * 16, -3), (i.to(torch.int16) * 999) % 7,
+        torch.remainder(torch.tensor([-128, 127, -128], dtype=torch.int8),
+                        torch.tensor([-1, -128, 127], dtype=torch.int8)),
+        torch.remainder((i * 37).to(torch.uint8), (i.abs() + 1).to(torch.uint8)),
+        torch.remainder(i.to(torch.int32), i.flip(1) + 10)],
+    "cummin of uint8, int8 and bool": lambda i, n: [
+        torch.cummin((i * 53).to(torch.uint8), 1), torch.cummin((i * 40).to(torch.int8), 1),
+        torch.cummin(i > 2, 1)],
+    "cummax and cummin along 17 and 50": lambda i, n: [
+        torch.cummax(i.repeat(1, 7)[:, :17], 1), torch.cummin(i.repeat(1, 7)[:, :50], 1),
+        torch.cummin(n.repeat(9)[:50], 0)],
+    "heaviside of integers, bools and floats": lambda i, n: [
+        torch.heaviside(i.int(), i.flip(1).int()), torch.heaviside(i > 2, i < 0),
+        torch.heaviside(torch.cat([n, -n, n * 0, -(n * 0)]), torch.full((24,), 0.5))],
+    "sign and sgn of a bool tensor": lambda i, n: [torch.sign(i > 2), torch.sgn(i > 0)],
 }
 
 
@@ -450,6 +472,18 @@ def test_the_users_excess_precision_flag_wins():
         "--xla_dump_to=/d --xla_allow_excess_precision=false"
     mine = "--xla_allow_excess_precision=true --xla_dump_to=/d"
     assert with_torch_rounding(mine) == mine
+
+
+def test_interpolating_integers_other_than_nearest_is_refused_with_what_to_do(s1):
+    """torch's uint8 bilinear and bicubic use fixed-point weights; the formula here
+    multiplied by weights cast to uint8, so every value came out 0. It now refuses,
+    and says how to get within 1 of torch; nearest stays exact."""
+    img = (torch.arange(48) * 5).to(torch.uint8).reshape(1, 3, 4, 4)
+    near = pw.program(lambda x: F.interpolate(x, scale_factor=2))(pw.put(img, s1))
+    assert torch.equal(near.torch(), F.interpolate(img, scale_factor=2))
+    with pytest.raises(pw.TraceError, match=r"x\.float\(\)"):
+        pw.program(lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"))(
+            pw.put(img, s1))
 
 
 REFUSED = {

@@ -158,15 +158,37 @@ def outermost(formula):
     return run
 
 
-@outermost
+def _running_max(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The running maximum along ``dim`` as a doubling scan (log2(n) maxima of shifted
+    copies). torch_xla's cummax is a reduce-window that XLA failed to compile along a
+    dimension of 17, 33, 40 or 50 (a RET_CHECK in the CPU compiler), any dtype."""
+    n = x.shape[dim]
+    if x.is_floating_point():
+        low = -math.inf
+    elif x.dtype == torch.bool:
+        low = False
+    else:
+        low = torch.iinfo(x.dtype).min
+    k = 1
+    while k < n:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = k
+        shifted = torch.cat([torch.full(pad_shape, low, dtype=x.dtype, device=x.device),
+                             x.narrow(dim, 0, n - k)], dim)
+        x = torch.maximum(x, shifted)
+        k *= 2
+    return x
+
+
 def cummax(x: torch.Tensor, dim: int):
     """The running maximum with torch's index: the last position where it was reached
     (torch's CPU kernel takes ``x >= max``); from the first NaN on the maximum is NaN
     and the index the latest NaN's. torch_xla's index is the first position
     (``[3, 1, 3]`` gave index 0 where torch gives 2), and its maximum skips NaNs."""
     if x.dim() == 0:
-        return NotImplemented
-    values = torch.ops.aten.cummax.default(x, dim)[0]
+        return x.clone(), torch.zeros((), dtype=torch.long, device=x.device)
+    dim = dim % x.dim()
+    values = _running_max(x, dim)
     shape = [1] * x.dim()
     shape[dim] = x.shape[dim]
     pos = torch.arange(x.shape[dim], device=x.device).reshape(shape).expand(x.shape)
@@ -177,16 +199,49 @@ def cummax(x: torch.Tensor, dim: int):
         hit = (x == values) | nan
     else:
         hit = x == values
-    index = torch.ops.aten.cummax.default(
-        torch.where(hit, pos, torch.full_like(pos, -1)), dim)[0]
+    index = _running_max(torch.where(hit, pos, torch.full_like(pos, -1)), dim)
     return values, index
 
 
 def cummin(x: torch.Tensor, dim: int):
-    """The running minimum as the running maximum of ``-x`` (the same last-index rule
-    on ties; torch_xla's cummin runs on the CPU)."""
-    values, indices = torch.ops.aten.cummax.default(-x, dim)   # traced through cummax
-    return -values, indices
+    """The running minimum as the running maximum of the order reversed (the same
+    last-index rule on ties; torch_xla's cummin runs on the CPU): ``-x`` for floats,
+    ``-1 - x`` for signed integers, ``255 - x`` for uint8, ``not x`` for bools, where
+    ``-x`` wraps (uint8's 255 came out as the minimum of [0, 255])."""
+    if x.is_floating_point():
+        flip = lambda t: -t                                    # noqa: E731
+    elif x.dtype == torch.bool:
+        flip = torch.logical_not
+    else:   # -1 - t, torch's ~t: XLA failed to compile cummax of a bitwise not
+        top = 255 if x.dtype == torch.uint8 else -1
+        flip = lambda t: top - t                               # noqa: E731
+    values, indices = cummax(flip(x), dim)
+    return flip(values), indices
+
+
+def remainder(a, b):
+    """Integer ``a % b`` with the divisor's sign, from ``fmod``: torch_xla's kernel
+    gave int8 an uint8 result (-7 % -2 came out 255, not -1)."""
+    floating = a.is_floating_point() or isinstance(b, float) or (
+        isinstance(b, torch.Tensor) and b.is_floating_point())
+    if floating or a.is_complex():
+        return NotImplemented
+    r = torch.fmod(a, b)
+    negative_b = (b < 0) if isinstance(b, torch.Tensor) else torch.tensor(b < 0)
+    fix = (r != 0) & ((r < 0) != negative_b.to(r.device))
+    return torch.where(fix, r + b, r)
+
+
+def heaviside(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """torch's kernel, ``values`` where ``x == 0``, else ``x > 0``: torch's
+    decomposition failed to lower for integers and bools (an untyped error about a
+    shift of mismatched types)."""
+    return torch.where(x == 0, values.to(x.dtype), (x > 0).to(x.dtype))
+
+
+def sign_of_bool(x: torch.Tensor) -> torch.Tensor:
+    """``sign``/``sgn`` of a bool tensor is itself, a bool (torch_xla returned uint8)."""
+    return x.clone() if x.dtype == torch.bool else NotImplemented
 
 
 def logcumsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -574,6 +629,11 @@ def table() -> Dict[object, Callable]:
         aten.copysign.Scalar: copysign,
         aten.round.decimals: round_decimals,
         aten.cummin.default: cummin,
+        aten.remainder.Tensor: remainder,
+        aten.remainder.Scalar: remainder,
+        aten.heaviside.default: heaviside,
+        aten.sign.default: sign_of_bool,
+        aten.sgn.default: sign_of_bool,
         aten.cummax.default: cummax,
         aten.logcumsumexp.default: logcumsumexp,
         aten.embedding_renorm_.default: embedding_renorm_,

@@ -118,6 +118,14 @@ def _along(x: torch.Tensor, dim: int, n: int, index: List[int], weight: List[flo
 def forward(mode: str, x: torch.Tensor, output_size: Sequence[int], align_corners: bool,
             scales: Sequence[Optional[float]]) -> torch.Tensor:
     """``x`` ([N, C, *spatial]) resampled to ``output_size`` as torch's CPU does."""
+    if mode not in ("nearest", "nearest-exact") and not x.is_floating_point():
+        from ..errors import TraceError
+        raise TraceError(
+            f"F.interpolate(mode={'bilinear' if mode == 'linear' else mode!r}) of a "
+            f"{x.dtype} tensor: torch computes it with fixed-point weights that this "
+            "formula does not reproduce. Interpolate x.float() and round it "
+            "(.round().clamp(0, 255).to(torch.uint8): within 1 of torch's), or use "
+            "mode='nearest'")
     k = len(output_size)
     for d, (n_out, sc) in enumerate(zip(output_size, scales)):
         dim = x.dim() - k + d
