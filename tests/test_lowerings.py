@@ -474,6 +474,31 @@ def test_the_users_excess_precision_flag_wins():
     assert with_torch_rounding(mine) == mine
 
 
+def test_the_loss_of_a_single_example_equals_torch(s1):
+    """``F.cross_entropy(logits[C], label)`` (one example, a 0-dim target) killed the
+    client before stop 36: torch_xla's nll_loss kernel segfaulted on its first dispatch.
+    It now runs as a batch of one; value and gradient are torch's."""
+    logits = torch.randn(5, generator=torch.Generator().manual_seed(8))
+    label = torch.tensor(3)
+    weight = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.5])
+
+    def losses(x, t, w):
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = [F.cross_entropy(x, t), F.cross_entropy(x, t, weight=w),
+                   F.nll_loss(x.log_softmax(0), t, reduction="none"),
+                   F.cross_entropy(x, t, ignore_index=3, reduction="sum")]
+            grad, = torch.autograd.grad(sum(o.sum() for o in out), x)
+        return [o.detach() for o in out] + [grad]
+
+    want = losses(logits, label, weight)
+    got = pw.program(losses)(pw.put(logits, s1), pw.put(label, s1), pw.put(weight, s1))
+    for g, w in zip(got, want):
+        g = g.torch()
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
 def test_interpolating_integers_other_than_nearest_is_refused_with_what_to_do(s1):
     """torch's uint8 bilinear and bicubic use fixed-point weights; the formula here
     multiplied by weights cast to uint8, so every value came out 0. It now refuses,

@@ -418,6 +418,26 @@ def batch_norm_backward(grad_out, input, weight, running_mean, running_var,
                                       save_mean, save_invstd, train, eps, output_mask)
 
 
+def nll_loss_unbatched(x, target, weight, reduction, ignore_index):
+    """``nll_loss`` of one example (``x`` [C], a 0-dim target: ``F.cross_entropy`` of a
+    single sample) as a batch of one: torch_xla's kernel for it crashed the process
+    (a segfault when the op was first dispatched)."""
+    if x.dim() != 1:
+        return NotImplemented
+    out, total = torch.ops.aten.nll_loss_forward.default(
+        x.unsqueeze(0), target.unsqueeze(0), weight, reduction, ignore_index)
+    return (out.squeeze(0) if reduction == 0 else out), total
+
+
+def nll_loss_backward_unbatched(grad, x, target, weight, reduction, ignore_index, total):
+    """The backward of ``nll_loss_unbatched``, through the batched kernel."""
+    if x.dim() != 1:
+        return NotImplemented
+    return torch.ops.aten.nll_loss_backward.default(
+        grad.unsqueeze(0) if reduction == 0 else grad, x.unsqueeze(0),
+        target.unsqueeze(0), weight, reduction, ignore_index, total).squeeze(0)
+
+
 def as_strided(x, size, stride, storage_offset=None):
     """``as_strided`` of a view (``x[1:].unfold(...)``, ``x.T.unfold(...)``, an unfold
     of an unfold: torch's unfold is an as_strided of its input's strides and offset).
@@ -644,6 +664,8 @@ def table() -> Dict[object, Callable]:
         aten.searchsorted.Tensor: searchsorted,
         aten._efficientzerotensor.default: efficient_zeros,
         aten.as_strided.default: as_strided,
+        aten.nll_loss_forward.default: nll_loss_unbatched,
+        aten.nll_loss_backward.default: nll_loss_backward_unbatched,
         aten.aminmax.default: aminmax,
         aten._linalg_svd.default: linalg_svd,
         **{op: _whole(op) for op in (aten.amax.default, aten.amin.default)},
