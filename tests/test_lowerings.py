@@ -214,6 +214,11 @@ CASES = {
         BAG_IDS, x, torch.tensor([0, 2, 5, 7]), mode="mean", include_last_offset=True), VEC),
     "embedding_bag 1-d max, padding_idx": (lambda x: F.embedding_bag(
         BAG_IDS, x * 3, torch.tensor([0, 2, 5]), mode="max", padding_idx=3), VEC),
+    # (stop 36) a negative padding_idx counts from the end, as in F.embedding_bag; it
+    # was read as an index no entry has, so the last row counted in every bag
+    "embedding_bag 1-d sum, padding_idx=-1": (lambda x: F.embedding_bag(
+        BAG_IDS, x, torch.tensor([0, 3]), mode="sum", padding_idx=-1,
+        per_sample_weights=torch.linspace(0.5, 2.0, 7)), VEC),
     "cummin": (lambda x: torch.cummin(x, 1).values, VEC),
     "logcumsumexp": (lambda x: torch.logcumsumexp(x * 30, 1), VEC),
     "exp2": (torch.exp2, VEC),
@@ -366,7 +371,10 @@ EXACT = {
     "max pooling indices": lambda i, n: [
         F.max_pool1d(i.float().reshape(2, 1, 8), 2, return_indices=True),
         F.max_pool2d(i.float().reshape(1, 1, 4, 4), 2, 1, 1, return_indices=True),
-        F.max_pool3d(i.float().reshape(1, 1, 2, 2, 4), 2, return_indices=True)],
+        F.max_pool3d(i.float().reshape(1, 1, 2, 2, 4), 2, return_indices=True),
+        # (stop 36) adaptive max pooling where the sizes divide had the same int32
+        F.adaptive_max_pool2d(i.float().reshape(1, 1, 4, 4), 2, return_indices=True),
+        F.adaptive_max_pool1d(i.float().reshape(2, 1, 8), 4, return_indices=True)],
     "addbmm and addmm of int64, float beta and alpha": lambda i, n: [
         torch.addbmm(i[:, :2], i.reshape(2, 2, 4), i.reshape(2, 2, 4).mT, beta=0.6, alpha=2.5),
         torch.addmm(i[:, :2], i[:, :4], i[:, 4:].T, beta=1.5, alpha=0.2)],
@@ -472,6 +480,18 @@ def test_the_users_excess_precision_flag_wins():
         "--xla_dump_to=/d --xla_allow_excess_precision=false"
     mine = "--xla_allow_excess_precision=true --xla_dump_to=/d"
     assert with_torch_rounding(mine) == mine
+
+
+def test_clamp_min_and_clamp_max_broadcast_a_tensor_bound(s1):
+    """``x.clamp_min(b)`` with x [5, 1] and b [5] is [5, 5] in torch; torch_xla's kernel
+    failed to replay ("Shapes must be equal rank") before stop 36."""
+    x, b = torch.randn(5, 1), torch.randn(5)
+    fns = [lambda x, b: x.clamp_min(b), lambda x, b: torch.clamp_max(b, x),
+           lambda x, b: x.clamp(min=b - 0.5, max=b + 0.5)]
+    for fn in fns:
+        got = pw.program(fn)(pw.put(x, s1), pw.put(b, s1)).torch()
+        assert got.shape == (5, 5)
+        torch.testing.assert_close(got, fn(x, b), rtol=0, atol=0)
 
 
 def test_the_loss_of_a_single_example_equals_torch(s1):

@@ -418,6 +418,18 @@ def batch_norm_backward(grad_out, input, weight, running_mean, running_var,
                                       save_mean, save_invstd, train, eps, output_mask)
 
 
+def _broadcasting(op):
+    """``op`` of two tensors of different shapes, broadcast first as torch does:
+    torch_xla's ``clamp_min``/``clamp_max`` with a tensor bound required equal shapes
+    (``x.clamp(min=b)`` with x [5, 1] and b [5] failed to replay: "Shapes must be
+    equal rank")."""
+    def run(a, b):
+        if a.shape == b.shape:
+            return NotImplemented
+        return op(*torch.broadcast_tensors(a, b))
+    return run
+
+
 def nll_loss_unbatched(x, target, weight, reduction, ignore_index):
     """``nll_loss`` of one example (``x`` [C], a 0-dim target: ``F.cross_entropy`` of a
     single sample) as a batch of one: torch_xla's kernel for it crashed the process
@@ -665,6 +677,7 @@ def table() -> Dict[object, Callable]:
         aten._efficientzerotensor.default: efficient_zeros,
         aten.as_strided.default: as_strided,
         aten.nll_loss_forward.default: nll_loss_unbatched,
+        **{op: _broadcasting(op) for op in (aten.clamp_min.Tensor, aten.clamp_max.Tensor)},
         aten.nll_loss_backward.default: nll_loss_backward_unbatched,
         aten.aminmax.default: aminmax,
         aten._linalg_svd.default: linalg_svd,
@@ -974,6 +987,8 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,
             "embedding_bag: per_sample_weights was not None. per_sample_weights is only "
             f"supported for mode='sum' (got mode='{mode}'). Please open a feature request "
             "on GitHub.")
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]      # as F.embedding_bag counts it (-1: the last row)
     emb = F.embedding(input, weight, None, max_norm, norm_type, scale_grad_by_freq)
     keep = (input != padding_idx) if padding_idx is not None else torch.ones_like(
         input, dtype=torch.bool)

@@ -262,11 +262,15 @@ def _add_at(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor, k: int) ->
     return xs.scatter_add(-1, index.flatten(-k), grad.flatten(-k)).reshape(x.shape)
 
 
+@outermost
 def adaptive_max_pool(x: torch.Tensor, output_size: Sequence[int], force: bool = False):
-    """``aten.adaptive_max_pool{k}d``: (the maxima, their flat indices)."""
+    """``aten.adaptive_max_pool{k}d``: (the maxima, their flat indices). Where the sizes
+    divide, torch_xla's 2-d kernel, whose indices are int32 under int64 as max
+    pooling's are (``max_pool``): widened by an addition."""
     outs = list(output_size)
     if not (force or _uneven(x, outs)):
-        return NotImplemented
+        values, index = torch.ops.aten.adaptive_max_pool2d.default(x, outs)
+        return values, index + 0
     ins = list(x.shape[-len(outs):])
     return _window_max(x, ins, [[list(range(*_bounds(n, N, i))) for i in range(n)]
                                 for n, N in zip(outs, ins)])
