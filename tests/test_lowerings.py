@@ -400,6 +400,16 @@ EXACT = {
         torch.heaviside(i.int(), i.flip(1).int()), torch.heaviside(i > 2, i < 0),
         torch.heaviside(torch.cat([n, -n, n * 0, -(n * 0)]), torch.full((24,), 0.5))],
     "sign and sgn of a bool tensor": lambda i, n: [torch.sign(i > 2), torch.sgn(i > 0)],
+    # (stop 36, samples past the first) logsumexp of integers failed to lower; dilated
+    # max pooling of integers
+    # padded with -inf ("cannot be converted to int64"); amin/amax scatters into bools
+    # asked torch.iinfo for bool
+    "logsumexp of int64": lambda i, n: [torch.logsumexp(i, 1), i[0, 0].logsumexp(0)],
+    "dilated max pooling of int64": lambda i, n: F.max_pool2d(
+        i.reshape(1, 1, 4, 4), 2, 1, 1, dilation=2, return_indices=True),
+    "amin and amax scattered into bools": lambda i, n: [
+        (i > 0).scatter_reduce(1, i.abs() % 8, i > 2, r, include_self=False)
+        for r in ("amin", "amax")],
 }
 
 
@@ -480,6 +490,18 @@ def test_the_users_excess_precision_flag_wins():
         "--xla_dump_to=/d --xla_allow_excess_precision=false"
     mine = "--xla_allow_excess_precision=true --xla_dump_to=/d"
     assert with_torch_rounding(mine) == mine
+
+
+def test_integer_powers_with_negative_exponents_equal_torch(s1):
+    """torch's integer ``a ** b`` for ``b < 0``: 1 for a base of 1, -1 or 1 for -1 by
+    the exponent's parity, else 0. XLA gave (-1) ** -3 as 0 before stop 36."""
+    a = torch.tensor([2, -2, 3, 0, 5, -1, -1, 1, 2, 10, -1])
+    b = torch.tensor([3, 3, -1, -2, 0, -3, -4, -5, 62, 20, 7])
+    for dtype in (torch.int64, torch.int32, torch.int8):
+        x, y = a.to(dtype), b.to(dtype)
+        got = pw.program(torch.pow)(pw.put(x, s1), pw.put(y, s1)).torch()
+        want = torch.pow(x, y)
+        assert got.dtype == want.dtype and torch.equal(got, want), (dtype, got, want)
 
 
 def test_clamp_min_and_clamp_max_broadcast_a_tensor_bound(s1):

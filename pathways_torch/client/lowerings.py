@@ -394,6 +394,8 @@ def scatter_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch
         identity = 1
     elif self.is_floating_point():
         identity = -math.inf if reduce == "amax" else math.inf
+    elif self.dtype == torch.bool:
+        identity = reduce != "amax"
     else:
         info = torch.iinfo(self.dtype)
         identity = info.min if reduce == "amax" else info.max
@@ -585,12 +587,28 @@ def roll(x, shifts, dims=()):
 
 def _of_floats(op):
     """``op`` of an integer tensor on its values as floats, as torch promotes them
-    (torch_xla failed to lower erfc and erfinv of int64: an untyped error)."""
-    def run(x):
+    (torch_xla failed to lower erfc and erfinv of int64: an untyped error; logsumexp
+    of integers: "Expected element type ... floating")."""
+    def run(x, *args, **kwargs):
         if x.is_floating_point() or x.is_complex():
             return NotImplemented
-        return op(x.to(torch.get_default_dtype()))
+        return op(x.to(torch.get_default_dtype()), *args, **kwargs)
     return run
+
+
+@outermost
+def integer_pow(a, b):
+    """Integer ``a ** b`` with negative exponents as torch's kernel: 1 for a base of 1,
+    +-1 for -1 (by the exponent's parity), else 0. XLA gave (-1) ** -3 as 0."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or \
+            a.is_floating_point() or b.is_floating_point() or a.is_complex() or \
+            b.is_complex() or a.dtype == torch.bool or b.dtype == torch.bool:
+        return NotImplemented
+    r = torch.ops.aten.pow.Tensor_Tensor(a, b)
+    one = torch.ones_like(r)
+    negative = torch.where(a == 1, one, torch.where(a == -1, torch.where(
+        b % 2 == 0, one, -one), torch.zeros_like(r)))
+    return torch.where(b < 0, negative, r)
 
 
 def _never(x):
@@ -694,6 +712,8 @@ def table() -> Dict[object, Callable]:
                                  aten.isposinf.default, aten.isneginf.default)},
         aten.erfc.default: _of_floats(aten.erfc.default),
         aten.erfinv.default: _of_floats(aten.erfinv.default),
+        aten.logsumexp.default: _of_floats(aten.logsumexp.default),
+        aten.pow.Tensor_Tensor: integer_pow,
         **{op: _float64_by(op) for op in (
             aten.gelu.default, aten.gelu_backward.default, aten.threshold.default,
             aten.threshold_backward.default, aten.native_layer_norm.default,

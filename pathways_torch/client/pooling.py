@@ -247,7 +247,9 @@ def _window_max(x: torch.Tensor, ins: Sequence[int], wins) -> Tuple[torch.Tensor
     xs = x.flatten(-k)
     flat_t = torch.tensor(flat, device=x.device)
     windows = xs[..., flat_t.reshape(-1)].reshape(lead + list(flat.shape))
-    low = torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
+    lowest = (float("-inf") if x.is_floating_point() else    # padding never wins
+              False if x.dtype == torch.bool else torch.iinfo(x.dtype).min)
+    low = torch.full((), lowest, dtype=x.dtype, device=x.device)
     windows = torch.where(torch.tensor(valid, device=x.device), windows, low)
     first = windows.argmax(-1, keepdim=True)
     index = flat_t.expand(lead + list(flat.shape)).gather(-1, first).squeeze(-1)
