@@ -446,3 +446,34 @@ def test_a_tensor_read_from_outside_and_changed_in_place_is_read_again(s4):
     finally:
         _CLOSED_OVER.fill_(1)
     assert scale(x).torch().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_program_that_writes_into_a_tensor_it_closes_over_is_refused(s4):
+    """torch updates a module's buffer (BatchNorm in train mode) or a global tensor at
+    every call; a program's constants are fixed at its trace, so its calls could not.
+    Before stop 36 the batch norm failed with an assert that blamed pathways_torch and a
+    ``counter.add_(1)`` ran silently, not counting. Both are refused, saying what to do,
+    and the same batch norm in eval mode, or taking its statistics as arguments, runs."""
+    bn = torch.nn.BatchNorm1d(4)
+    x = torch.randn(8, 4)
+    with pytest.raises(pw.TraceError, match="closes over.*pw.Trainer"):
+        pw.program(lambda t: bn(t))(pw.put(x, s4))
+    counter = torch.zeros(())
+
+    def counted(t):
+        counter.add_(1)
+        return t * 2
+    with pytest.raises(pw.TraceError, match=r"torch\.add_"):
+        pw.program(counted)(pw.put(x, s4))
+    bn.eval()
+    torch.testing.assert_close(pw.program(lambda t: bn(t))(pw.put(x, s4)).torch(), bn(x))
+
+    def train_bn(t, mean, var):
+        return torch.nn.functional.batch_norm(t, mean, var, training=True)
+    mean, var = pw.put(torch.zeros(4), s4), pw.put(torch.ones(4), s4)
+    want_mean, want_var = torch.zeros(4), torch.ones(4)
+    want = train_bn(x, want_mean, want_var)
+    got = pw.program(train_bn)(pw.put(x, s4), mean, var).torch()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean.torch(), want_mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(var.torch(), want_var, rtol=1e-6, atol=1e-6)

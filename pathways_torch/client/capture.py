@@ -360,6 +360,7 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args,
         raise
     except Exception as e:
         raise _user_error(name, sig, e) from e
+    _refuse_captured_writes(joint, name)
     remat.share_random(joint, name)
     remat.tie_regions(joint)
     # New fakes: the first trace set requires_grad on its copies of ``fakes``, and a
@@ -380,6 +381,37 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args,
         raise TraceError(f"program '{name}' returns no tensor and updates none of its "
                          "inputs in place; return at least one tensor")
     return gm, info
+
+
+def _refuse_captured_writes(gm, name: str) -> None:
+    """Refuse a program that writes in place into a tensor it closes over instead of
+    taking it as an argument (a module in train mode called inside it: BatchNorm's
+    running statistics). torch would update that tensor at every call; a program's
+    constants are fixed when it is traced, so its calls could not (the trace itself
+    has run the write: the tensor holds it once or twice now). Before, a batch norm
+    failed with a functionalization assert that blamed pathways_torch, and a
+    ``counter.add_(1)`` ran silently, not counting."""
+    from .remat import _aliases_first
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for k, arg in enumerate(schema.arguments):
+            value = node.args[k] if k < len(node.args) else node.kwargs.get(arg.name)
+            if arg.alias_info is None or not arg.alias_info.is_write or \
+                    not isinstance(value, torch.fx.Node):
+                continue
+            while value.op == "call_function" and _aliases_first(value):
+                value = value.args[0]
+            if value.op == "get_attr":
+                op = node.target.name().replace("aten::", "torch.")
+                raise TraceError(
+                    f"program '{name}' writes in place ({op}) into a tensor it does not "
+                    "take as an argument, one its function closes over: a module's "
+                    "buffer (BatchNorm's running statistics in train mode) or a global "
+                    "tensor. Pass that tensor as an argument (a program updates its "
+                    "arguments in place, as torch does), train the module with "
+                    "pw.Trainer, or call model.eval() for inference")
 
 
 def _register_dataclasses(value, depth: int = 0) -> None:
