@@ -436,7 +436,10 @@ class ExecutorConnection:
         after each wait: a client that submits work without waiting gets no stream of
         watermarks to read."""
         with self._seq_lock:
-            if not self._q.empty() or self._unvouched or self._done_seq <= self._asked:
+            # A watermark answering the last WatchOp reports at least the ops before it
+            # (``_asked``), or also the WatchOp itself, depending on when the executor's
+            # pusher reads its count: only one below ``_asked`` is still on its way.
+            if not self._q.empty() or self._unvouched or self._done_seq < self._asked:
                 return      # more ops follow, or a watermark is on its way (see _read)
             self._unasked -= 1
             ops.append(self._watch_op())
@@ -445,7 +448,7 @@ class ExecutorConnection:
         """A watermark arrived: ask for the next if ops were sent after the last
         WatchOp (``_watch_tail`` skipped them while one was on its way)."""
         with self._seq_lock:
-            if self._seq > self._asked + 1 and self._done_seq > self._asked and \
+            if self._seq > self._asked + 1 and self._done_seq >= self._asked and \
                     self._unasked and not (self.closed or self.broken or self._unvouched):
                 self._unasked -= 1
                 self._q.put(self._watch_op())
