@@ -391,7 +391,6 @@ def _refuse_captured_writes(gm, name: str) -> None:
     has run the write: the tensor holds it once or twice now). Before, a batch norm
     failed with a functionalization assert that blamed pathways_torch, and a
     ``counter.add_(1)`` ran silently, not counting."""
-    from .remat import _aliases_first
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None)
         if node.op != "call_function" or schema is None or not schema.is_mutable:
@@ -401,7 +400,7 @@ def _refuse_captured_writes(gm, name: str) -> None:
             if arg.alias_info is None or not arg.alias_info.is_write or \
                     not isinstance(value, torch.fx.Node):
                 continue
-            while value.op == "call_function" and _aliases_first(value):
+            while value.op == "call_function" and remat.aliases_first(value):
                 value = value.args[0]
             if value.op == "get_attr":
                 op = node.target.name().replace("aten::", "torch.")

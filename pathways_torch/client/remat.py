@@ -230,13 +230,13 @@ def _written(members: list, inside: set) -> set:
             value = m.args[k] if k < len(m.args) else m.kwargs.get(arg.name)
             if info is None or not info.is_write or not isinstance(value, torch.fx.Node):
                 continue
-            while value in inside and _aliases_first(value):
+            while value in inside and aliases_first(value):
                 value = value.args[0]
             written.add(value)
     return written
 
 
-def _aliases_first(node) -> bool:
+def aliases_first(node) -> bool:
     """The op returns its first argument or a view of it (``view``, ``copy_``)."""
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.arguments and node.args
