@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 from .._xla import cpu_fallbacks
 from ..errors import (DataDependentError, PathwaysError, ShapeError, TraceError,
                       warn_at_caller)
-from . import hostrng, lowerings, remat, torch_paths
+from . import hostrng, lowerings, opmath, remat, torch_paths
 
 _lock = threading.RLock()
 _device = None
@@ -351,7 +351,7 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args,
         info["statics"] = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
-    table = {**_decompositions(), **lowerings.table()}
+    table = opmath.wrap({**_decompositions(), **lowerings.table()})
     try:
         with _compiling(), _quiet("torch._subclasses.fake_tensor"), remat.tagging():
             joint = make_fx(flat_fn, tracing_mode="fake", decomposition_table=table,

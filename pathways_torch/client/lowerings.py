@@ -620,6 +620,26 @@ def _never(x):
     return torch.zeros_like(x, dtype=torch.bool)
 
 
+def nan_to_num(x, nan=None, posinf=None, neginf=None):
+    """torch.nan_to_num of a floating tensor as torch's kernel: infinities become the
+    dtype's largest finite values unless given, and each replacement is converted to
+    the dtype as torch converts it (through float32 for the half types, so a value out
+    of float16's range becomes an infinity). torch_xla's kernel gave bfloat16 infinities
+    back unreplaced, and failed to compile a float16 replacement out of range."""
+    if not x.is_floating_point():
+        return NotImplemented
+    info = torch.finfo(x.dtype)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    def value(v, default: float) -> torch.Tensor:
+        v = default if v is None else v
+        return torch.full((), v, dtype=wide, device=x.device).to(x.dtype)
+    inf = torch.full((), math.inf, dtype=x.dtype, device=x.device)
+    out = torch.where(x == inf, value(posinf, info.max), x)
+    out = torch.where(x == -inf, value(neginf, info.min), out)
+    return torch.where(x != x, value(nan, 0.0), out)
+
+
 def _float64_by(op):
     """torch's own decomposition of ``op`` for float64 tensors: torch_xla's kernels for
     these compute with float32 constants (gelu's 1/sqrt(2), threshold's value, layer
@@ -719,6 +739,7 @@ def table() -> Dict[object, Callable]:
             aten.threshold_backward.default, aten.native_layer_norm.default,
             aten.logit.default, aten.logit_backward.default)},
         aten.hardsigmoid_backward.default: hardsigmoid_backward,
+        aten.nan_to_num.default: nan_to_num,
         aten.log2.default: _float64_log(2.0),
         aten.log10.default: _float64_log(10.0),
         aten.scatter_reduce.two: scatter_reduce,
