@@ -379,6 +379,75 @@ def test_an_optimizer_that_reads_tensor_values_is_refused_and_the_session_goes_o
     assert math.isfinite(float(ok.step(x, y)))
 
 
+class Cosine(torch.optim.Optimizer):
+    """SGD scaled by the gradient's cosine with its parameter, its group's ``eps``
+    handed to ``F.cosine_similarity`` and ``torch.full_like``, which take Python numbers
+    only there (AdamP's and SGDP's projection passes ``eps`` so)."""
+
+    def __init__(self, params, lr=0.1, eps=1e-8):
+        super().__init__(params, dict(lr=lr, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                cos = F.cosine_similarity(p.grad.reshape(1, -1), p.reshape(1, -1), dim=1,
+                                          eps=group["eps"]).abs()
+                floor = torch.full_like(p, group["eps"])
+                p.add_(p.grad * (1 + cos) + floor, alpha=-group["lr"])
+
+
+def test_a_number_where_torch_takes_only_a_python_number_is_its_value(s2):
+    """Before stop 37 the number became a 0-d tensor there, which torch's argument
+    parser read: a DataDependentError that named the cosine's line for a read the
+    optimizer did not make (timm's AdamP failed so, at a line before its real value
+    read). Now the op gets the number's value, guarded like a ``float()``."""
+    data = batches(4)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, Cosine(model.parameters()), F.cross_entropy, slice=s2)
+    got = [float(tr.step(x, y)) for x, y in data]
+    assert_losses(got, torch_train(ref, Cosine(ref.parameters()), data))
+    tr.sync_to()
+    assert_same_model(model, ref)
+    assert traces(tr) == 1
+
+
+class HalfMomentum(torch.optim.Optimizer):
+    """Momentum kept in bfloat16 and updated with a Python-number weight, as timm's
+    AdafactorBigVision keeps its (``momentum_dtype=torch.bfloat16``, its default)."""
+
+    def __init__(self, params, lr=0.5, momentum=0.9):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                m = state["exp_avg"]
+                m.lerp_(p.grad.to(torch.bfloat16), 1 - group["momentum"])
+                m.mul_(1 + group["momentum"] / 7)
+                p.add_(m.to(p.dtype), alpha=-group["lr"])
+
+
+def test_a_number_with_half_precision_tensors_stays_a_float32_scalar(s2):
+    """torch keeps a Python number in float32 inside a bfloat16 kernel; before stop 37
+    it became a bfloat16 0-d tensor, rounded first (1 - 0.9 is 0.10009765625 in
+    bfloat16), and the momentum drifted from torch's."""
+    data = batches(5)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, HalfMomentum(model.parameters()), F.cross_entropy, slice=s2)
+    got = [float(tr.step(x, y)) for x, y in data]
+    ref_opt = HalfMomentum(ref.parameters())
+    assert_losses(got, torch_train(ref, ref_opt, data))
+    tr.sync_to()
+    assert_same_model(model, ref)
+
+
 def test_pipeline_asks_for_a_torch_optimizer(cluster8):
     slices = [pw.slice((1,)) for _ in range(2)]
     try:

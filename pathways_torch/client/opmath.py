@@ -55,7 +55,7 @@ OPS = (
 )
 
 
-def _half(args) -> Optional[torch.dtype]:
+def half_type(args) -> Optional[torch.dtype]:
     """The half type the op computes in, or None: that of its tensors with dimensions
     (a 0-dim float32 operand of a bfloat16 tensor takes its type, as in torch), all
     one half type."""
@@ -80,7 +80,7 @@ def _in_float(name: str, functional, before: Optional[Callable]) -> Callable:
     inplace = name.endswith("_")
 
     def run(*args, **kwargs):
-        half = _half((args, kwargs))
+        half = half_type((args, kwargs))
         if half is None or _skip(name, args, kwargs):
             return NotImplemented if before is None else before(*args, **kwargs)
 

@@ -24,11 +24,14 @@ import collections
 import contextlib
 import functools
 import inspect
+import types
 from typing import Dict, List, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from ..client import opmath
 from ..errors import PathwaysError
 from . import numbers
 
@@ -557,6 +560,56 @@ def _tensors(x, dtype):
     return x
 
 
+def _builtin(func) -> bool:
+    """A torch function implemented in C++ (an aten op behind torch's argument parser)."""
+    return isinstance(func, (types.BuiltinFunctionType, types.MethodDescriptorType,
+                             types.WrapperDescriptorType))
+
+
+@functools.lru_cache(maxsize=None)
+def _numbers_only(name: str) -> Tuple[frozenset, frozenset]:
+    """(positions, names) of the arguments of aten op ``name`` that no overload takes
+    as a tensor: ``cosine_similarity``'s ``eps``, ``full_like``'s ``fill_value``."""
+    try:
+        schemas = torch._C._jit_get_schemas_for_operator("aten::" + name)
+    except RuntimeError:
+        schemas = []
+    if not schemas:
+        return frozenset(), frozenset()
+    tensor_at, tensor_named, seen_at, seen_named = set(), set(), set(), set()
+    for schema in schemas:
+        for i, arg in enumerate(schema.arguments):
+            takes_tensor = "Tensor" in str(arg.type)
+            seen_named.add(arg.name)
+            if not arg.kwarg_only:
+                seen_at.add(i)
+                if takes_tensor:
+                    tensor_at.add(i)
+            if takes_tensor:
+                tensor_named.add(arg.name)
+    # alpha= and value= scale an operand instead (_TensorScalars._FOLD)
+    return frozenset(seen_at - tensor_at), frozenset(seen_named - tensor_named -
+                                                     {"alpha", "value"})
+
+
+def _as_values(name: str, args, kwargs):
+    """The step's numbers where op ``name`` takes only a Python number as their values,
+    which the step guards (a changed value traces again, as after a ``float()``):
+    as a 0-d tensor there, torch's argument parser would read it, which a trace cannot
+    (AdamP's ``F.cosine_similarity(..., eps=group["eps"])``). Not a torch.optim
+    hyperparameter: its float is a stand-in."""
+    at, named = _numbers_only(name)
+    if not at and not named:
+        return args, kwargs
+
+    def value(x):
+        if isinstance(x, numbers.Num):
+            return int(x) if isinstance(x.value, int) else float(x)
+        return x
+    return (tuple(value(a) if i in at else a for i, a in enumerate(args)),
+            {k: value(v) if k in named else v for k, v in kwargs.items()})
+
+
 class _TensorScalars(TorchFunctionMode):
     """torch.optim passes the (tensor) learning rate as ``alpha=``/``value=`` of
     ``add_``/``addcdiv_``/``addcmul_``, which take Python numbers only (a read of the
@@ -576,6 +629,11 @@ class _TensorScalars(TorchFunctionMode):
                 return self._unrolled(name, args, kwargs)
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
             dtype = first.dtype if first is not None and first.is_floating_point() else None
+            if _builtin(func):
+                args, kwargs = _as_values(name, args, kwargs)
+            half = opmath.half_type((args, kwargs))
+            if half is not None:
+                return self._in_float(func, name, half, args, kwargs)
             args, kwargs = _tensors(args, dtype), {k: _tensors(v, dtype)
                                                    for k, v in kwargs.items()}
         for key in ("alpha", "value"):
@@ -589,6 +647,28 @@ class _TensorScalars(TorchFunctionMode):
                 raise UnsupportedOptimizer(f"the optimizer called {name} with a tensor "
                                            f"{key}; pathways_torch cannot trace that")
         return func(*args, **kwargs)
+
+    def _in_float(self, func, name: str, half: torch.dtype, args, kwargs):
+        """An op of half-precision tensors and a number, as torch runs it: torch takes
+        the number as a Python scalar, which its kernel keeps in float32 with the
+        operands (``exp_avg.lerp_(grad, 1 - beta)``, ``p.addcdiv_(m, d, value=-lr)``),
+        and rounds the result once. As a half-precision 0-d tensor the number was
+        rounded first, and a folded ``value`` rounded its product: timm's Adafactor
+        with bfloat16 momentum drifted 5e-5 from torch in 4 steps."""
+        def up(v):
+            return v.float() if isinstance(v, torch.Tensor) and v.dtype == half else v
+        args_f = _tensors(pytree.tree_map(up, args), torch.float32)
+        kwargs_f = {k: _tensors(pytree.tree_map(up, v), torch.float32)
+                    for k, v in kwargs.items()}
+        out = pytree.tree_map(
+            lambda t: t.to(half) if isinstance(t, torch.Tensor) and
+            t.dtype == torch.float32 else t,
+            self.__torch_function__(func, (), args_f, kwargs_f))
+        inplace = (name.endswith("_") and not name.startswith("__")) or \
+            name.startswith("__i")
+        if inplace and isinstance(out, torch.Tensor):
+            return args[0].copy_(out)
+        return out
 
     def _unrolled(self, name: str, args, kwargs):
         """A ``torch._foreach_*`` op given a traced number: its overloads would read
