@@ -660,6 +660,9 @@ class _TensorScalars(TorchFunctionMode):
         args_f = _tensors(pytree.tree_map(up, args), torch.float32)
         kwargs_f = {k: _tensors(pytree.tree_map(up, v), torch.float32)
                     for k, v in kwargs.items()}
+        if name.rstrip("_") in ("add", "sub") and isinstance(kwargs_f.get("alpha"),
+                                                              torch.Tensor):
+            kwargs_f["alpha"] = kwargs_f["alpha"].to(half).float()   # as torch's kernel
         out = pytree.tree_map(
             lambda t: t.to(half) if isinstance(t, torch.Tensor) and
             t.dtype == torch.float32 else t,
