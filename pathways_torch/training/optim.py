@@ -244,9 +244,18 @@ def _describe_groups(opt: torch.optim.Optimizer, dynamic: frozenset) -> List[tup
                      else _sign(v))
         kw["foreach"] = False
         if "capturable" in params:
-            kw["capturable"] = True
+            # half-precision parameters take torch's eager formulas (its default) where
+            # they trace: their bias corrections and step sizes are numbers there, which
+            # the capturable formulas fold into the half-precision tensors in another
+            # order (RAdam's, ASGD's and Rprop's eager formulas branch on values)
+            kw["capturable"] = cls.__name__ not in _EAGER_HALF or not all(
+                p.dtype in opmath.HALF for p in g["params"])
         groups.append(tuple(sorted(kw.items())))
     return groups
+
+
+#: torch.optim classes whose eager (not capturable) step traces on a step-count tensor
+_EAGER_HALF = frozenset({"Adam", "AdamW", "Adamax", "NAdam", "RMSprop"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -610,6 +619,16 @@ def _as_values(name: str, args, kwargs):
             {k: value(v) if k in named else v for k, v in kwargs.items()})
 
 
+def _scalar_tensor_meets_half(tree) -> bool:
+    """Half-precision tensors and a 0-d float32/float64 tensor in one op: inside a
+    torch.optim step that tensor is what torch's eager run has as a Python number (a
+    bias correction, a step size from the count or the learning rate)."""
+    half = opmath.half_type(tree)
+    return half is not None and any(
+        isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point() and
+        t.dtype != half for t in pytree.tree_leaves(tree))
+
+
 class _TensorScalars(TorchFunctionMode):
     """torch.optim passes the (tensor) learning rate as ``alpha=``/``value=`` of
     ``add_``/``addcdiv_``/``addcmul_``, which take Python numbers only (a read of the
@@ -636,6 +655,8 @@ class _TensorScalars(TorchFunctionMode):
                 return self._in_float(func, name, half, args, kwargs)
             args, kwargs = _tensors(args, dtype), {k: _tensors(v, dtype)
                                                    for k, v in kwargs.items()}
+        elif _scalar_tensor_meets_half((args, kwargs)):
+            return self._in_float(func, name, opmath.half_type((args, kwargs)), args, kwargs)
         for key in ("alpha", "value"):
             v = kwargs.get(key)
             if isinstance(v, torch.Tensor):
@@ -663,6 +684,11 @@ class _TensorScalars(TorchFunctionMode):
         if name.rstrip("_") in ("add", "sub") and isinstance(kwargs_f.get("alpha"),
                                                               torch.Tensor):
             kwargs_f["alpha"] = kwargs_f["alpha"].to(half).float()   # as torch's kernel
+        if name.rstrip("_") == "addcmul":
+            # a 0-d factor takes the tensors' type, as in torch (SGD's tensor-lr path,
+            # p.addcmul_(grad, lr, value=-1), is its eager p.add_(grad, alpha=-lr))
+            args_f = tuple(a.to(half).float() if i in (1, 2) and isinstance(a, torch.Tensor)
+                           and a.dim() == 0 else a for i, a in enumerate(args_f))
         out = pytree.tree_map(
             lambda t: t.to(half) if isinstance(t, torch.Tensor) and
             t.dtype == torch.float32 else t,
