@@ -202,6 +202,20 @@ def traces(tr) -> int:
     return len(tr._programs["train_step"]._traces)
 
 
+def trained_like_torch(s2, opt_cls, steps: int = 4):
+    """An MLP trained ``steps`` steps by pw.Trainer and by plain torch with ``opt_cls``
+    from the same seed and data: losses and parameters asserted equal; the Trainer."""
+    data = batches(steps)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, opt_cls(model.parameters()), F.cross_entropy, slice=s2)
+    got = [float(tr.step(x, y)) for x, y in data]
+    assert_losses(got, torch_train(ref, opt_cls(ref.parameters()), data))
+    tr.sync_to()
+    assert_same_model(model, ref)
+    return tr
+
+
 def test_a_hand_written_adam_equals_torch_and_its_state_round_trips(s2):
     steps = 5
     data = batches(steps + 2)
@@ -273,15 +287,7 @@ def test_a_step_count_kept_as_a_group_tensor_and_a_checkpoint(s2, tmp_path):
 
 
 def test_python_branches_on_the_numbers_are_followed(s2):
-    steps = 6
-    data = batches(steps)
-    model = mlp()
-    ref = copy.deepcopy(model)
-    tr = pw.Trainer(model, Branchy(model.parameters()), F.cross_entropy, slice=s2)
-    got = [float(tr.step(x, y)) for x, y in data]
-    assert_losses(got, torch_train(ref, Branchy(ref.parameters()), data))
-    tr.sync_to()
-    assert_same_model(model, ref)
+    tr = trained_like_torch(s2, Branchy, steps=6)
     # steps 1-2 warm up, 3 takes min(lr, 1/sqrt(3)) = lr, 4 halves 1/sqrt(4), then
     # the same branches: one trace per outcome, not one per step
     assert traces(tr) <= 5
@@ -328,14 +334,7 @@ def test_under_fsdp_with_accumulation_and_clipping(s2):
 
 
 def test_foreach_ops_given_numbers_equal_torch(s2):
-    data = batches(4)
-    model = mlp()
-    ref = copy.deepcopy(model)
-    tr = pw.Trainer(model, ForeachAdam(model.parameters()), F.cross_entropy, slice=s2)
-    got = [float(tr.step(x, y)) for x, y in data]
-    assert_losses(got, torch_train(ref, ForeachAdam(ref.parameters()), data))
-    tr.sync_to()
-    assert_same_model(model, ref)
+    tr = trained_like_torch(s2, ForeachAdam)
     assert traces(tr) == 2
 
 
@@ -402,14 +401,7 @@ def test_a_number_where_torch_takes_only_a_python_number_is_its_value(s2):
     parser read: a DataDependentError that named the cosine's line for a read the
     optimizer did not make (timm's AdamP failed so, at a line before its real value
     read). Now the op gets the number's value, guarded like a ``float()``."""
-    data = batches(4)
-    model = mlp()
-    ref = copy.deepcopy(model)
-    tr = pw.Trainer(model, Cosine(model.parameters()), F.cross_entropy, slice=s2)
-    got = [float(tr.step(x, y)) for x, y in data]
-    assert_losses(got, torch_train(ref, Cosine(ref.parameters()), data))
-    tr.sync_to()
-    assert_same_model(model, ref)
+    tr = trained_like_torch(s2, Cosine)
     assert traces(tr) == 1
 
 
@@ -437,15 +429,7 @@ def test_a_number_with_half_precision_tensors_stays_a_float32_scalar(s2):
     """torch keeps a Python number in float32 inside a bfloat16 kernel; before stop 37
     it became a bfloat16 0-d tensor, rounded first (1 - 0.9 is 0.10009765625 in
     bfloat16), and the momentum drifted from torch's."""
-    data = batches(5)
-    model = mlp()
-    ref = copy.deepcopy(model)
-    tr = pw.Trainer(model, HalfMomentum(model.parameters()), F.cross_entropy, slice=s2)
-    got = [float(tr.step(x, y)) for x, y in data]
-    ref_opt = HalfMomentum(ref.parameters())
-    assert_losses(got, torch_train(ref, ref_opt, data))
-    tr.sync_to()
-    assert_same_model(model, ref)
+    trained_like_torch(s2, HalfMomentum, steps=5)
 
 
 def test_pipeline_asks_for_a_torch_optimizer(cluster8):

@@ -70,6 +70,13 @@ def half_type(args) -> Optional[torch.dtype]:
     return kind if kind in HALF else None
 
 
+def rounded(out, half: torch.dtype):
+    """``out`` (a tensor or a tree of them) with its float32 tensors rounded to ``half``:
+    the one rounding of a result computed in float32."""
+    return pytree.tree_map(lambda t: t.to(half) if isinstance(t, torch.Tensor) and
+                           t.dtype == torch.float32 else t, out)
+
+
 def _skip(name: str, args, kwargs) -> bool:
     """Calls the rule does not cover: ``add``/``sub`` without a scale (one rounding
     already), a softmax asked for float32 output, a reduction given its dtype."""
@@ -95,9 +102,7 @@ def _in_float(name: str, functional, before: Optional[Callable]) -> Callable:
         args_f, kwargs_f = pytree.tree_map(up, (args, kwargs))
         if name.rstrip("_") in ("add", "sub"):             # torch's kernel takes alpha
             kwargs_f["alpha"] = float(torch.tensor(kwargs["alpha"], dtype=half))  # in the type
-        out = pytree.tree_map(
-            lambda t: t.to(half) if isinstance(t, torch.Tensor) and
-            t.dtype == torch.float32 else t, functional(*args_f, **kwargs_f))
+        out = rounded(functional(*args_f, **kwargs_f), half)
         return args[0].copy_(out) if inplace else out
     return run
 

@@ -689,10 +689,7 @@ class _TensorScalars(TorchFunctionMode):
             # p.addcmul_(grad, lr, value=-1), is its eager p.add_(grad, alpha=-lr))
             args_f = tuple(a.to(half).float() if i in (1, 2) and isinstance(a, torch.Tensor)
                            and a.dim() == 0 else a for i, a in enumerate(args_f))
-        out = pytree.tree_map(
-            lambda t: t.to(half) if isinstance(t, torch.Tensor) and
-            t.dtype == torch.float32 else t,
-            self.__torch_function__(func, (), args_f, kwargs_f))
+        out = opmath.rounded(self.__torch_function__(func, (), args_f, kwargs_f), half)
         inplace = (name.endswith("_") and not name.startswith("__")) or \
             name.startswith("__i")
         if inplace and isinstance(out, torch.Tensor):
