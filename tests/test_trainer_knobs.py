@@ -2,7 +2,7 @@
 
 Every optimizer torch.optim has that the Trainer runs (options included), a list of
 optimizers (Muon and AdamW), schedulers (passed as ``scheduler=`` or stepped by the user), ``max_grad_norm`` (DataParallel, FSDP,
-Pipeline), ``accumulate=k``, ``precision="bf16"``, ``evaluate``/``predict``, the ways a
+Pipeline), ``accumulate=k``, ``precision="bf16"`` and ``"fp16"`` (with loss scaling), ``evaluate``/``predict``, the ways a
 model is called (tuple, dict, a model that returns its own loss), BatchNorm's buffers,
 dropout's RNG (``seed=``, checkpoint resume) and activation checkpointing.
 
@@ -10,7 +10,8 @@ Tolerances: fp32 losses, parameters and buffers within 1e-5 (absolute and relati
 ``assert_close(rtol=1e-5, atol=1e-5)``; losses ~1.4 agree to ~1e-7 in practice, XLA's
 CPU kernels round a little differently); optimizer state too, or within 4x plain
 torch's own float32 error where that is larger (centered RMSprop); bf16 losses within 2e-2
-relative of torch's CPU autocast (they agree to ~3e-4). Runs on one module-scoped
+relative of torch's CPU autocast (they agree to ~3e-4), fp16 ones within 2e-3 (with
+every loss scale equal). Runs on one module-scoped
 cluster (``cluster8``): a 2-device "data" slice for the SPMD strategies, two 1-device
 slices for the pipeline.
 """
@@ -688,6 +689,139 @@ def test_steps_inside_the_users_own_autocast_equal_torch(s2):
     ref32 = copy.deepcopy(model)
     fp32, _ = torch_train(ref32, make_opt(ref32.parameters()), data)
     assert abs(got[1] - fp32[1]) > 1e-4 and abs(want[1] - fp32[1]) > 1e-4
+
+
+# ---------------------------------------------------------------------- 5b. fp16
+
+FP16_RTOL = 2e-3
+
+
+def fp16_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(),
+                         nn.Linear(16, 4))
+
+
+def fp16_batches():
+    """Batches whose first and fourth overflow float16 (inputs of 1e4: inf gradients
+    at a scale of 2**15 or more), so two updates are skipped, the first of them
+    before the optimizer has any state."""
+    data = batches(7, seed=11)
+    return [(x * 1e4, y) if i in (0, 3) else (x, y) for i, (x, y) in enumerate(data)]
+
+
+def torch_fp16_train(model, opt, data, scaler, clip=None, accumulate=1):
+    """torch's fp16 recipe: autocast, GradScaler (scale, unscale_ before clipping, step,
+    update); with ``accumulate=k`` the scaled losses of k batches divided by k."""
+    losses, scales = [], []
+    model.train()
+    for i, (x, y) in enumerate(data):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss / accumulate).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulate:
+            continue
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return losses, scales
+
+
+@pytest.mark.parametrize("case", ["adam", "sgd_dampened_clipped", "adamw_accumulate"])
+def test_fp16_with_loss_scaling_equals_torch_gradscaler(s2, case, tmp_path):
+    """``precision="fp16"``: float16 autocast with torch.amp.GradScaler's dynamic loss
+    scaling, against torch's own recipe. Every update's scale equals torch's exactly
+    (overflowing steps skipped and the scale halved, growth after ``growth_interval``
+    clean steps), a skipped update leaves parameters and state bit for bit as they
+    were, state a skipped first update would have made is not made (SGD with
+    dampening), and the user's GradScaler is brought up to date by ``sync_to``. Losses
+    and parameters within 2e-3 relative: the float16 forward rounds as torch's does
+    op by op, not in the same order inside every kernel. Before, "fp16" was refused."""
+    make_opt, kw, k = {
+        "adam": (lambda ps: torch.optim.Adam(ps, lr=1e-2), {}, 1),
+        "sgd_dampened_clipped": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9,
+                                                            dampening=0.1),
+                                 {"max_grad_norm": 0.5}, 1),
+        "adamw_accumulate": (lambda ps: torch.optim.AdamW(ps, lr=1e-2), {"accumulate": 2},
+                             2),
+    }[case]
+    model, data = fp16_model(), fp16_batches()
+    if k > 1:       # the overflowing batches end an accumulation: both updates skip
+        data = [data[i] for i in (1, 0, 2, 4, 5, 6, 3, 1)]
+    ref = copy.deepcopy(model)
+    ref_opt = make_opt(ref.parameters())
+    want, want_scales = torch_fp16_train(
+        ref, ref_opt, data,
+        torch.amp.GradScaler("cpu", growth_interval=2), clip=kw.get("max_grad_norm"),
+        accumulate=k)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, slice=s2,
+                    precision="fp16", scaler=scaler, **kw)
+    got, scales, before_skip = [], [], None
+    for i, (x, y) in enumerate(data):
+        if i == 3 * k:                   # the second skipped update: nothing changes
+            before_skip = tr.state_dict()
+        got.append(float(tr.step(x, y)))
+        if (i + 1) % k == 0:
+            scales.append(tr.loss_scale)
+        if i == 3 * k + k - 1:
+            after = tr.state_dict()
+            for part in ("model", "optim"):
+                for n, t in before_skip[part].items():
+                    same = (torch.equal(t, after[part][n]) if part == "model" else
+                            all(torch.equal(v, after[part][n][kk]) for kk, v in t.items()))
+                    assert same, f"{part} {n} changed in a skipped update"
+    print(f"fp16 {case}: losses {got} torch {want}; scales {scales} torch {want_scales}")
+    assert scales == want_scales
+    seq = [65536.0] + scales                    # updates were skipped, and it grew again
+    assert any(b < a for a, b in zip(seq, seq[1:])) and any(b > a for a, b in zip(seq, seq[1:]))
+    assert_losses(got, want, rtol=FP16_RTOL, atol=1e-4)
+    tr.sync_to()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=FP16_RTOL, atol=FP16_RTOL,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+    # the optimizer's state as torch's: Adam's step counts the updates not skipped, and
+    # SGD's momentum buffer is the gradient of its first update not skipped
+    for p, q in zip(model.parameters(), ref.parameters()):
+        mine, theirs = tr.optimizer.state[p], ref_opt.state[q]
+        assert set(mine) == set(theirs)
+        for key, v in theirs.items():
+            torch.testing.assert_close(mine[key], v, rtol=FP16_RTOL, atol=FP16_RTOL)
+    assert scaler.get_scale() == want_scales[-1]
+    # a checkpoint holds the scale: a new Trainer goes on from it as torch's would
+    tr.save(str(tmp_path / "ckpt"))
+    copied = copy.deepcopy(model)
+    again = pw.Trainer(copied, make_opt(copied.parameters()),
+                       F.cross_entropy, slice=s2, precision="16-mixed",
+                       scaler=torch.amp.GradScaler("cpu", growth_interval=2), **kw)
+    assert again.loss_scale == 65536.0
+    again.load(str(tmp_path / "ckpt"))
+    assert again.loss_scale == tr.loss_scale == want_scales[-1]
+
+
+def test_precision_names_and_what_they_refuse(s2, pipe_slices):
+    """Lightning's names for the same modes are taken; what cannot work says why."""
+    model = mlp()
+    make = lambda **kw: pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   F.cross_entropy, **kw)
+    assert make(slice=s2, precision="bf16-mixed").options.precision == "bf16"
+    assert make(slice=s2, precision="16-mixed").loss_scale == 65536.0
+    assert make(slice=s2, precision="fp32").loss_scale is None
+    off = make(slice=s2, precision="fp16",
+               scaler=torch.amp.GradScaler("cpu", enabled=False))
+    assert off.options.precision == "fp16" and off.loss_scale is None
+    with pytest.raises(pw.PathwaysError, match="model.bfloat16"):
+        make(slice=s2, precision="bf16-true")
+    with pytest.raises(pw.PathwaysError, match="goes with precision='fp16'"):
+        make(slice=s2, precision="bf16", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(pw.PathwaysError, match="precision='bf16'"):
+        make(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices),
+             precision="fp16")
 
 
 @pytest.mark.parametrize("strat", ["dp", "pipeline"])

@@ -14,6 +14,8 @@ follow torch's semantics on purpose:
   ``clip_grad_norm_``;
 - ``precision="bf16"`` is ``torch.autocast("cpu", torch.bfloat16)`` around forward
   and loss (the trace runs on CPU fake tensors, so the CPU autocast policy applies);
+  ``precision="fp16"`` is the same in float16, with torch.amp.GradScaler's dynamic
+  loss scaling (scaling.py);
 - evaluation and prediction trace the model in eval mode; a training step in the
   modes the user set when the model is in train mode (a batch norm frozen with
   ``.eval()`` stays frozen, as in a torch loop), and in train mode when the model as a
@@ -23,7 +25,8 @@ follow torch's semantics on purpose:
 Example::
 
     fn = make_step_fn(model, loss_fn, spec, groups, options)
-    loss, created = pw.program(fn)(params, fixed, states, acc, lrs, inputs, targets, hyper)
+    loss, created = pw.program(fn)(params, fixed, states, acc, lrs, inputs, targets, hyper,
+                                   scaler)
 """
 
 from __future__ import annotations
@@ -37,6 +40,28 @@ import torch
 
 from ..errors import PathwaysError, TraceError
 from . import optim as fopt
+from . import scaling
+from .scaling import LossScaling
+
+#: what ``precision=`` takes, with PyTorch Lightning's names for the same modes
+PRECISIONS = {None: None, "fp32": None, "32": None, "32-true": None, "bf16": "bf16",
+              "bf16-mixed": "bf16", "fp16": "fp16", "16": "fp16", "16-mixed": "fp16"}
+
+
+def precision_mode(precision: Any) -> Optional[str]:
+    """None (float32), "bf16" or "fp16" for a ``precision=`` value; a clear error for
+    the rest (Lightning's "-true" modes are a model converted to half precision)."""
+    key = str(precision) if isinstance(precision, int) else precision
+    if key in PRECISIONS:
+        return PRECISIONS[key]
+    hint = ""
+    if isinstance(key, str) and key.endswith("-true"):
+        hint = (": half-precision parameters are a model converted before the Trainer "
+                "is built (model.bfloat16() or model.half()) with precision left unset")
+    raise PathwaysError(
+        f"precision must be None or 'fp32' (float32), 'bf16' (autocast to bfloat16) or "
+        f"'fp16' (autocast to float16 with dynamic loss scaling), or Lightning's "
+        f"'bf16-mixed' / '16-mixed', not {precision!r}{hint}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +70,14 @@ class Options:
 
     max_grad_norm: Optional[float] = None
     accumulate: int = 1
-    precision: Optional[str] = None          # None/"fp32" or "bf16"
+    precision: Optional[str] = None          # None (float32), "bf16" or "fp16"
     max_grad_value: Optional[float] = None   # clip_grad_value_, before the norm
+    scaling: Optional[LossScaling] = None    # precision="fp16": GradScaler's settings
 
     def __post_init__(self):
-        if self.precision not in (None, "fp32", "bf16"):
-            raise PathwaysError(f"precision must be None, 'fp32' or 'bf16', not "
-                                f"{self.precision!r}")
+        object.__setattr__(self, "precision", precision_mode(self.precision))
+        if self.precision != "fp16" and self.scaling is not None:
+            raise PathwaysError("loss scaling (scaler=) goes with precision='fp16'")
         if int(self.accumulate) != self.accumulate or self.accumulate < 1:
             raise PathwaysError(f"accumulate must be an integer >= 1, not {self.accumulate}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -158,6 +184,8 @@ def mode(model: torch.nn.Module, training: bool):
 def autocast(options: Options):
     if options.precision == "bf16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
+    if options.precision == "fp16":
+        return torch.autocast("cpu", dtype=torch.float16)
     return contextlib.nullcontext()
 
 
@@ -191,6 +219,8 @@ def gradients(loss: torch.Tensor, params: Dict[str, torch.Tensor]) -> Dict[str, 
 
 #: in what a step created, the 0-d tensors a generic optimizer made in its groups
 GROUP_TENSORS = "pw.groups"
+#: in what a loss-scaled step created, whether its update was skipped (1.0) or not
+FOUND_INF = "pw.found_inf"
 
 
 def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, params,
@@ -261,14 +291,18 @@ def requires_grad(params: Dict[str, torch.Tensor], hooks: Dict[str, list]) -> No
 def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: Options,
                  last: bool = True):
     """One SPMD step. With ``accumulate=k`` the first k-1 calls (``last=False``) only add
-    their gradients to ``acc``; the k-th adds its own, averages, clips and updates."""
+    their gradients to ``acc``; the k-th adds its own, averages, clips and updates.
+    With loss scaling (``scaler``: the scale and growth tracker, updated in place) the
+    gradients are of the scaled loss until the update unscales them (torch's order:
+    ``scaler.scale(loss).backward()`` per micro-batch, ``unscale_`` once)."""
     k = options.accumulate
+    scales = options.scaling
 
-    def train_step(params, fixed, states, acc, lrs, inputs, targets, hyper):
+    def train_step(params, fixed, states, acc, lrs, inputs, targets, hyper, scaler):
         requires_grad(params, grad_hooks(model))
         with mode(model, True), reparametrized(model, {**params, **fixed}):
             loss, rest = forward_loss(model, loss_fn, options, inputs, targets)
-            grads = gradients(loss, params)
+            grads = gradients(scaling.scale_loss(loss, scaler) if scales else loss, params)
         if k > 1:
             with torch.no_grad():
                 for n, g in grads.items():
@@ -281,8 +315,16 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
                     t.zero_()
         if spec.get("book") is not None:
             hyper = hyper[0]        # beside it, the trace of the numbers (a key only)
+        if scales:
+            grads, found = scaling.unscale(grads, scaler)
+            before = scaling.kept(params, states)
         created = clip_and_update(dict(spec, groups=hyper), groups, options, params, grads,
                                   states, lrs)
+        if scales:
+            scaling.skip_if(found, before, params, states)
+            scaling.update_scale(scaler, found, scales)
+            if created:     # the state a first update made: kept unless it was skipped
+                created[FOUND_INF] = {"found": found}
         return returned(loss, rest), created
     return train_step
 

@@ -44,14 +44,14 @@ from ..errors import PathwaysError
 from ..parallel.strategies import DataParallel, MultiIsland, Pipeline, mesh_sizes
 from ..sharding import P, validate_spec
 from . import elastic
-from . import ema as ema_mod, follow, numbers, optim as fopt, reads
+from . import ema as ema_mod, follow, numbers, optim as fopt, reads, scaling
 from .batches import _place_batch
 from .elastic import Restart
 from .follow import _flags, modes as _modes
 from .islands import multi_island_step
 from .pipeline import _split_stages, pipeline_eval, pipeline_step
-from .programs import (GROUP_TENSORS, Options, make_eval_fn, make_predict_fn,
-                       make_step_fn)
+from .programs import (FOUND_INF, GROUP_TENSORS, Options, make_eval_fn, make_predict_fn,
+                       make_step_fn, precision_mode)
 
 
 class Trainer:
@@ -71,7 +71,12 @@ class Trainer:
     (as ``clip_grad_value_``, before the norm when both are given); ``accumulate=k`` makes every k calls of
     ``step`` one update (equal to one step on the k micro-batches concatenated);
     ``precision="bf16"`` runs forward and loss under ``torch.autocast("cpu",
-    torch.bfloat16)`` with fp32 parameters and optimizer state. ``scheduler`` (a
+    torch.bfloat16)`` with fp32 parameters and optimizer state; ``precision="fp16"``
+    under float16 autocast with torch.amp.GradScaler's dynamic loss scaling (an update
+    whose gradients overflow is skipped and the scale halved, as ``scaler.step`` and
+    ``scaler.update`` do; ``scaler=`` a GradScaler whose settings and state to start
+    from, which ``sync_to`` brings up to date; ``loss_scale`` reads the scale). Lightning's
+    "bf16-mixed" and "16-mixed" name the same modes. ``scheduler`` (a
     ``torch.optim.lr_scheduler`` of ``optimizer``) is stepped after every update and
     saved in checkpoints; ReduceLROnPlateau, which needs a metric, is stepped by the
     user (each step reads the learning rate and hyperparameters the optimizer holds).
@@ -90,13 +95,22 @@ class Trainer:
                  max_grad_norm: Optional[float] = None,
                  max_grad_value: Optional[float] = None, accumulate: int = 1,
                  precision: Optional[str] = None, scheduler=None,
-                 seed: Optional[int] = None, ema=None) -> None:
+                 seed: Optional[int] = None, ema=None,
+                 scaler: Optional["torch.amp.GradScaler"] = None) -> None:
         model = _uncompiled(model)
         reads.sync_others(model, follow._WATCHES)    # a Trainer before this one on it
         if isinstance(optimizer, (list, tuple)):
             optimizer = fopt.Chain(optimizer)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.options = Options(max_grad_norm, int(accumulate), precision, max_grad_value)
+        scales = (precision_mode(precision) == "fp16"
+                  and (scaler is None or scaler.is_enabled()))
+        if scaler is not None and precision_mode(precision) != "fp16":
+            raise PathwaysError(
+                "scaler= (a GradScaler) goes with precision='fp16': bfloat16 and float32 "
+                "gradients need no loss scaling")
+        self.options = Options(max_grad_norm, int(accumulate), precision, max_grad_value,
+                               scaling.LossScaling.of(scaler) if scales else None)
+        self._grad_scaler = scaler
         if isinstance(scheduler, (list, tuple)):
             scheduler = _Schedulers(scheduler) if scheduler else None
         for sch in getattr(scheduler, "schedulers", [scheduler]):
@@ -139,6 +153,18 @@ class Trainer:
                 f"{', '.join(type(o).__name__ for o in fopt.members(optimizer) if fopt.generic(o))}"
                 " is traced with its Python numbers, which DataParallel, "
                 "FullyShardedDataParallel and TensorParallel follow")
+        if isinstance(parallelism, (Pipeline, MultiIsland)) and scales:
+            raise PathwaysError(
+                f"precision='fp16' (loss scaling) runs with DataParallel, FSDP and "
+                f"TensorParallel; a {type(parallelism).__name__} step updates in several "
+                "programs, which would each have to agree to skip: use precision='bf16', "
+                "which needs no loss scaling")
+        if scales and self._book is not None:
+            raise PathwaysError(
+                "precision='fp16' (loss scaling) runs torch.optim's optimizers; "
+                f"{', '.join(type(o).__name__ for o in fopt.members(optimizer) if fopt.generic(o))}"
+                " is traced with its Python numbers, which a skipped update would still "
+                "advance: use precision='bf16', which needs no loss scaling")
         if isinstance(parallelism, (Pipeline, MultiIsland)) and accumulate > 1:
             raise PathwaysError(f"accumulate={accumulate} runs with DataParallel, FSDP and "
                                 f"TensorParallel; a {type(parallelism).__name__} step "
@@ -190,6 +216,10 @@ class Trainer:
                     if isinstance(v, torch.Tensor) and v.dim() == 0:
                         self._book.group_tensors[(gi, k)] = put(v.detach().clone(),
                                                                 self.slices[0], P())
+        # precision="fp16": the loss scale and growth tracker (scaling.py), on the first slice
+        self._scaler: Dict[str, Array] = (
+            {k: put(t, self.slices[0], P()) for k, t in scaling.initial(scaler).items()}
+            if scales else {})
         self.micro = 0                                # micro-steps since the last update
         self.seeds = SeedStream.of_torch() if seed is None else SeedStream(seed)
         self._programs: Dict[str, Program] = {}
@@ -332,6 +362,9 @@ class Trainer:
             self._book.advance(layout, slot, values, self.optimizer.param_groups)
 
     def _store_created(self, r: int, created: Dict[str, Dict[str, Array]]) -> None:
+        found = created.pop(FOUND_INF, None)
+        if found is not None and float(found["found"].torch()):
+            return      # a skipped first update: torch's optimizer made no state either
         for n, st in created.items():
             if n == GROUP_TENSORS:      # a generic optimizer's group tensors
                 self._book.group_tensors.update(
@@ -385,7 +418,7 @@ class Trainer:
                 hyper, lrs, pending = self._numbers(hyper, lrs)
             loss, created = prog(self.replicas[0], self.fixed[0], self.states[0],
                                  self.acc[0], lrs, _place_batch(inputs, s, axis),
-                                 _place_batch(targets, s, axis), hyper)
+                                 _place_batch(targets, s, axis), hyper, self._scaler)
             self._store_created(0, created)
             self._advance(pending)
             if not last:
@@ -455,6 +488,8 @@ class Trainer:
             "steps": torch.tensor(self.steps),
             "rng": self._rng_tensor(),
             **({"ema": self._ema.state()} if self._ema is not None else {}),
+            **({"scaler": {k: a.torch() for k, a in self._scaler.items()}}
+               if self._scaler else {}),
             **({"numbers": copy.deepcopy(self._book.mirror),
                 "group_tensors": {gk: a.torch() for gk, a in
                                   self._book.group_tensors.items()}} if self._book else {}),
@@ -493,12 +528,21 @@ class Trainer:
             self._set_rng(sd["rng"])
         if self._ema is not None and "ema" in sd:
             self._ema.load_state(sd["ema"])
+        if self._scaler and "scaler" in sd:
+            self._scaler = {k: put(sd["scaler"][k], self.slices[0], P())
+                            for k in self._scaler}
         follow.record(self, stale=True)    # the module's old values: replaced (a read fetches)
         if self._book is not None and "numbers" in sd:
             self._book.mirror = copy.deepcopy(sd["numbers"])
             first = self.slices[0]
             self._book.group_tensors = {gk: put(t, first, P())
                                         for gk, t in sd.get("group_tensors", {}).items()}
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The loss scale of ``precision="fp16"`` now (``GradScaler.get_scale()``; it
+        waits for the steps dispatched), or None without loss scaling."""
+        return float(self._scaler["scale"].torch()) if self._scaler else None
 
     @reads.internal
     def sync_to(self, model: Optional[torch.nn.Module] = None) -> torch.nn.Module:
@@ -550,6 +594,10 @@ class Trainer:
                 self.optimizer.state[named[n]].update(held)
             for (gi, k), t in sd.get("group_tensors", {}).items():
                 self.optimizer.param_groups[gi][k] = t
+            if self._grad_scaler is not None and "scaler" in sd:
+                self._grad_scaler.load_state_dict(dict(
+                    self._grad_scaler.state_dict(), scale=float(sd["scaler"]["scale"]),
+                    _growth_tracker=int(sd["scaler"]["growth"])))
             self._opt_synced = version
             self._watch.record_state(self)
         if model is self.model:
@@ -610,6 +658,7 @@ class Trainer:
         for (gi, k), a in (self._book.group_tensors.items() if self._book else ()):
             arrays[f"optim_group.{gi}.{k}"] = a
         arrays["rng"] = put(self._rng_tensor(), home(first), P())
+        arrays.update({f"scaler.{k}": a for k, a in self._scaler.items()})
         if self._ema is not None:
             arrays.update(self._ema.checkpoint_arrays())
         save_arrays(path, arrays)
@@ -675,6 +724,9 @@ class Trainer:
                     wanted["rng"] = (home_of(first), torch.Size([2]), torch.int64, P())
                 if self._ema is not None and "ema_n" in side:
                     wanted.update(self._ema.wanted())
+                if self._scaler and "scaler.scale" in saved:
+                    wanted.update({f"scaler.{k}": (home_of(first), a.shape, a.dtype, P())
+                                   for k, a in self._scaler.items()})
             got = load_arrays(path, wanted)
             for n in self.replicas[r]:
                 self.replicas[r][n] = got[f"model.{n}"]
@@ -699,6 +751,12 @@ class Trainer:
                     self._set_rng(got["rng"].torch())
                 if self._ema is not None and "ema_n" in side:
                     self._ema.loaded(got, int(side["ema_n"]))
+                if self._scaler:        # a checkpoint without loss scaling starts afresh
+                    self._scaler = (
+                        {k: got[f"scaler.{k}"] for k in self._scaler}
+                        if "scaler.scale" in saved else
+                        {k: put(t, self.slices[0], P()) for k, t in
+                         scaling.initial(self._grad_scaler).items()})
         self.micro = int(side.get("micro", 0))
         for g, lr in zip(self.optimizer.param_groups, side.get("lrs", ())):
             g["lr"] = lr                      # what the scheduler had written
