@@ -161,6 +161,18 @@ def test_optimizer_of_another_model(mesh):
                    loss_fn, slice=mesh)
 
 
+def test_tensor_parallel_specs_that_name_nothing_are_refused(mesh):
+    """A typo in a TensorParallel spec left that parameter replicated, silently, and
+    ``TensorParallel("model")`` (written like DataParallel's) failed with an
+    AttributeError deep in the Trainer; both now say what to write (stop 38)."""
+    model = make_model()
+    with pytest.raises(pw.PathwaysError, match="did you mean '0.weight'"):
+        pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, slice=mesh,
+                   parallelism=pw.TensorParallel({"0.weigth": P("model", None)}))
+    with pytest.raises(pw.PathwaysError, match="use DataParallel"):
+        pw.TensorParallel("model")
+
+
 def test_frozen_parameters_stay_fixed(mesh):
     model, data = make_model(), make_data(3)
     model[0].weight.requires_grad_(False)

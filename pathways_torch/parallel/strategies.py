@@ -55,8 +55,32 @@ class TensorParallel:
     param_specs: Dict[str, P] = dataclasses.field(default_factory=dict)
     batch_axis: Optional[str] = None
 
+    def __post_init__(self):
+        from ..errors import PathwaysError
+        if not isinstance(self.param_specs, dict) or not all(
+                isinstance(n, str) and isinstance(v, P) for n, v in self.param_specs.items()):
+            raise PathwaysError(
+                f"TensorParallel takes param_specs, a dict of parameter name -> P(...) "
+                f"(for example {{'0.weight': P('model', None)}}), and batch_axis=, not "
+                f"{self.param_specs!r}; to split only the batch over an axis, use "
+                "DataParallel(axis)")
+
     def param_spec(self, name: str, shape: Sequence[int], mesh: Dict[str, int]) -> P:
         return self.param_specs.get(name, P())
+
+    def check_names(self, names: Sequence[str]) -> None:
+        """Refuse specs for names the model does not have (a typo would silently leave
+        that parameter replicated)."""
+        import difflib
+        from ..errors import PathwaysError
+        unknown = [n for n in self.param_specs if n not in set(names)]
+        if unknown:
+            hints = {n: difflib.get_close_matches(n, names, n=1) for n in unknown}
+            said = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
+                             for n, h in hints.items())
+            raise PathwaysError(
+                f"TensorParallel has specs for {said}, which the model has no parameter "
+                "or buffer of: name them as model.named_parameters() does")
 
 
 def mesh_sizes(slice_) -> Dict[str, int]:

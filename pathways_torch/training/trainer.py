@@ -41,7 +41,8 @@ from ..client import runtime
 from ..client.program import Program
 from ..client.rng import SeedStream
 from ..errors import PathwaysError
-from ..parallel.strategies import DataParallel, MultiIsland, Pipeline, mesh_sizes
+from ..parallel.strategies import (DataParallel, MultiIsland, Pipeline, TensorParallel,
+                                   mesh_sizes)
 from ..sharding import P, validate_spec
 from . import elastic
 from . import ema as ema_mod, follow, numbers, optim as fopt, reads, scaling
@@ -186,6 +187,8 @@ class Trainer:
         fixed = {n: p for n, p in named.items() if n not in self._group_of}
         fixed.update(dict(model.named_buffers()))
         self._shapes = {n: tuple(t.shape) for n, t in {**named, **fixed}.items()}
+        if isinstance(parallelism, TensorParallel):
+            parallelism.check_names(list(self._shapes))
         if isinstance(parallelism, Pipeline):
             self._stages = _split_stages(model, parallelism)
         self._place(self.slices)
