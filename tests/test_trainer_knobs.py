@@ -732,7 +732,8 @@ def torch_fp16_train(model, opt, data, scaler, clip=None, accumulate=1):
     return losses, scales
 
 
-@pytest.mark.parametrize("case", ["adam", "sgd_dampened_clipped", "adamw_accumulate"])
+@pytest.mark.parametrize("case", ["adam", "adam_fsdp", "sgd_dampened_clipped",
+                                  "adamw_accumulate"])
 def test_fp16_with_loss_scaling_equals_torch_gradscaler(s2, case, tmp_path):
     """``precision="fp16"``: float16 autocast with torch.amp.GradScaler's dynamic loss
     scaling, against torch's own recipe. Every update's scale equals torch's exactly
@@ -744,6 +745,8 @@ def test_fp16_with_loss_scaling_equals_torch_gradscaler(s2, case, tmp_path):
     op by op, not in the same order inside every kernel. Before, "fp16" was refused."""
     make_opt, kw, k = {
         "adam": (lambda ps: torch.optim.Adam(ps, lr=1e-2), {}, 1),
+        "adam_fsdp": (lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                      {"parallelism": pw.FullyShardedDataParallel("data")}, 1),
         "sgd_dampened_clipped": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9,
                                                             dampening=0.1),
                                  {"max_grad_norm": 0.5}, 1),
