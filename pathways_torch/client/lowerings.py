@@ -679,15 +679,50 @@ def _no_check(*args, **kwargs) -> None:
     return None
 
 
+def linspace(start, end, steps, *, dtype=None, layout=None, device=None,
+             pin_memory=None):
+    """``torch.linspace`` by torch's own formula (from both ends, in float32 or float64
+    for those types, the endpoints truncated first for an integer type, as its CPU
+    kernel does). torch_xla's kernel made every linspace float32 whatever the dtype
+    (a bfloat16 or int64 one came back float32, a float64 one lost its precision), by
+    a formula 7 of 16 float32 values off torch's. In bfloat16 and float16, torch's
+    vectorized loop adds the step to a lane's base, which depends on the CPU's vector
+    width: this is its scalar formula, within one ulp of it."""
+    from torch._decomp import decomposition_table
+    dtype = dtype or torch.get_default_dtype()
+    if dtype in _HALF and steps > 1 and all(isinstance(v, (int, float))
+                                            for v in (start, end)):
+        # the kernel's scalar arithmetic in the half type: the endpoints and the step
+        # rounded to it, and each product and sum
+        def r(t):
+            return t.to(dtype).float()
+        s, e = (r(torch.tensor(float(v), device=device)) for v in (start, end))
+        step = r((e - s) / (steps - 1))
+        idx = torch.arange(steps, dtype=torch.float32, device=device)
+        low = r(s + r(step * idx))
+        high = r(e - r(step * (steps - 1 - idx)))
+        return torch.where(idx < steps // 2, low, high).to(dtype)
+    if not dtype.is_floating_point and not dtype.is_complex:
+        start, end = (int(v) if isinstance(v, float) else v for v in (start, end))
+    return decomposition_table[torch.ops.aten.linspace.default](
+        start, end, steps, dtype=dtype, layout=layout, device=device,
+        pin_memory=pin_memory)
+
+
 def table() -> Dict[object, Callable]:
     """The decompositions for the ops that exist in this process (a library's custom
     ops exist once it is imported): ops torch_xla lacks, or lowers with other numbers
     than torch."""
+    from torch._decomp import decomposition_table
+
     from . import dft, pooling, resample, special
     aten = torch.ops.aten
     out: Dict[object, Callable] = {**resample.table(), **pooling.table()}
     out.update({
         aten.histc.default: histc,
+        aten.linspace.default: linspace,
+        # torch_xla's logspace was 41 of 50 float32 values off torch's: torch's formula
+        aten.logspace.default: decomposition_table[aten.logspace.default],
         aten._weight_norm_interface_backward.default: weight_norm_backward,
         aten.median.dim: median_dim,
         aten.exp2.default: exp2,

@@ -56,6 +56,19 @@ OPS = (
     # the exact loss (torch's and XLA's sums both round at every row)
     ("nll_loss_forward", "default"), ("nll_loss_backward", "default"),
     ("nll_loss2d_forward", "default"), ("nll_loss2d_backward", "default"),
+    # torch_xla's kernels of these reduce in the half type, where torch's accumulate in
+    # float32 (stop 38): a bfloat16 mse_loss over 2**19 elements came out 0.01 for 2.0
+    # (the sum stops growing), in float16 an infinity; avg_pool2d over 8x8 windows,
+    # index_add and scatter_add with 256 sources per row were 6-12x further from the
+    # exact result than torch
+    ("mse_loss", "default"),
+    ("smooth_l1_loss", "default"),
+    ("binary_cross_entropy", "default"),
+    ("binary_cross_entropy_with_logits", "default"),
+    ("avg_pool2d", "default"),
+    ("avg_pool3d", "default"),
+    ("index_add", "default"), ("index_add_", "default"),
+    ("scatter_add", "default"), ("scatter_add_", "default"),
 )
 
 
@@ -95,6 +108,8 @@ def _skip(name: str, args, kwargs) -> bool:
         return kwargs.get("alpha", 1) == 1
     if name in ("_softmax", "_log_softmax"):
         return bool(args[2]) if len(args) > 2 else False
+    if name.rstrip("_") == "index_add":     # torch adds into a vector in its own type
+        return args[0].dim() <= 1
     return kwargs.get("dtype") is not None
 
 
