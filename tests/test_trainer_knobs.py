@@ -820,6 +820,8 @@ def test_precision_names_and_what_they_refuse(s2, pipe_slices):
     assert off.options.precision == "fp16" and off.loss_scale is None
     with pytest.raises(pw.PathwaysError, match="model.bfloat16"):
         make(slice=s2, precision="bf16-true")
+    with pytest.raises(pw.PathwaysError, match="takes a torch.amp.GradScaler"):
+        make(slice=s2, precision="fp16", scaler={"init_scale": 1024})
     with pytest.raises(pw.PathwaysError, match="goes with precision='fp16'"):
         make(slice=s2, precision="bf16", scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(pw.PathwaysError, match="precision='bf16'"):

@@ -31,7 +31,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..errors import PathwaysError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +46,6 @@ class LossScaling:
         """The settings of ``scaler`` (GradScaler's defaults when None)."""
         if scaler is None:
             return LossScaling()
-        if not isinstance(scaler, torch.amp.GradScaler):
-            raise PathwaysError(f"scaler= takes a torch.amp.GradScaler, not a "
-                                f"{type(scaler).__name__}")
         return LossScaling(float(scaler.get_growth_factor()),
                            float(scaler.get_backoff_factor()),
                            int(scaler.get_growth_interval()))

@@ -103,6 +103,9 @@ class Trainer:
         if isinstance(optimizer, (list, tuple)):
             optimizer = fopt.Chain(optimizer)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise PathwaysError(f"scaler= takes a torch.amp.GradScaler, not a "
+                                f"{type(scaler).__name__}")
         scales = (precision_mode(precision) == "fp16"
                   and (scaler is None or scaler.is_enabled()))
         if scaler is not None and precision_mode(precision) != "fp16":
@@ -550,8 +553,8 @@ class Trainer:
     @reads.internal
     def sync_to(self, model: Optional[torch.nn.Module] = None) -> torch.nn.Module:
         """Copy the trained parameters and buffers back into ``model`` (default: the
-        Trainer's own) and the optimizer state into the torch optimizer, so that
-        plain torch can go on where the Trainer stopped."""
+        Trainer's own), the optimizer state into the torch optimizer and the loss scale
+        into ``scaler=``, so that plain torch can go on where the Trainer stopped."""
         return self._sync(model, optimizer=True)
 
     def _sync(self, model: Optional[torch.nn.Module], optimizer: bool) -> torch.nn.Module:
