@@ -19,6 +19,7 @@ slices for the pipeline.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -820,6 +821,14 @@ def test_precision_names_and_what_they_refuse(s2, pipe_slices):
     assert off.options.precision == "fp16" and off.loss_scale is None
     with pytest.raises(pw.PathwaysError, match="model.bfloat16"):
         make(slice=s2, precision="bf16-true")
+    # a GPU habit: float16 autocast around the step, where no GradScaler can reach
+    plain, (x, y) = make(slice=s2), batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        with pytest.warns(UserWarning, match="precision='fp16' instead"):
+            plain.step(x, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            plain.step(x, y)                        # said once
     with pytest.raises(pw.PathwaysError, match="takes a torch.amp.GradScaler"):
         make(slice=s2, precision="fp16", scaler={"init_scale": 1024})
     with pytest.raises(pw.PathwaysError, match="goes with precision='fp16'"):

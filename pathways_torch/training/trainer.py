@@ -37,10 +37,10 @@ import torch
 from .._trees import plain_batch
 from ..client.array import Array, put
 from ..client.checkpoint import entries as checkpoint_entries, load_arrays, save_arrays
-from ..client import runtime
+from ..client import runtime, torch_paths
 from ..client.program import Program
 from ..client.rng import SeedStream
-from ..errors import PathwaysError
+from ..errors import PathwaysError, warn_at_caller
 from ..parallel.strategies import (DataParallel, MultiIsland, Pipeline, TensorParallel,
                                    mesh_sizes)
 from ..sharding import P, validate_spec
@@ -227,6 +227,7 @@ class Trainer:
             {k: put(t, self.slices[0], P()) for k, t in scaling.initial(scaler).items()}
             if scales else {})
         self.micro = 0                                # micro-steps since the last update
+        self._warned_fp16 = False       # a step under float16 autocast without scaling
         self.seeds = SeedStream.of_torch() if seed is None else SeedStream(seed)
         self._programs: Dict[str, Program] = {}
         self._modules = list(self.model.modules())
@@ -400,6 +401,15 @@ class Trainer:
 
     def _step(self, inputs: Any, targets: Any) -> Any:
         inputs, targets = plain_batch(inputs), plain_batch(targets)
+        if not self._warned_fp16 and self.options.scaling is None and any(
+                dt == torch.float16 for _, dt in torch_paths.autocast_state()):
+            self._warned_fp16 = True
+            warn_at_caller(
+                "trainer.step runs under a float16 torch.autocast without loss scaling "
+                "(a GradScaler cannot wrap a Trainer's step: its backward and update run "
+                "on the workers), so small gradients underflow to zero: build the Trainer "
+                "with precision='fp16' instead (float16 autocast with GradScaler's "
+                "scaling inside the step; scaler= for its options)", UserWarning)
         follow.follow(self)
         modes = _modes(self._modules)
         if modes != self._modes:        # a module's .train()/.eval() since the last step
