@@ -652,7 +652,8 @@ def test_nan_to_num_replaces_as_torch(s1, dtype):
 def test_linspace_and_logspace_keep_their_dtype_and_torchs_values(s1, dtype):
     """torch_xla's linspace made float32 whatever the dtype (a float64 linspace lost
     its precision; a bfloat16 or int64 one came back float32 and turned what it met
-    into float32) by a formula 7 of 16 float32 values off torch's (stop 38). Now
+    into float32; with tensor ends, float64) by a formula 7 of 16 float32 values off
+    torch's (stop 38). Now
     torch's formula: the dtype kept, float32 and float64 within one value of torch's
     (whose vectorized loop adds the step to a lane's base), integers exact, half types
     within 2 ulps of the largest value (the lanes again); logspace within the dtype's
@@ -660,6 +661,8 @@ def test_linspace_and_logspace_keep_their_dtype_and_torchs_values(s1, dtype):
     for args in ((-2, 2, 16), (0, 1, 1000), (-3.3, 7.1, 77)):
         for name, fn in (
                 ("linspace", lambda x: torch.linspace(*args, dtype=x.dtype) + x),
+                ("linspace", lambda x: torch.linspace(x + args[0], x + args[1], args[2],
+                                                      dtype=x.dtype)),
                 ("logspace", lambda x: torch.logspace(args[0], args[1] / 4, args[2],
                                                       dtype=x.dtype))):
             want = fn(torch.zeros((), dtype=dtype))

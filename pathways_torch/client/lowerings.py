@@ -682,32 +682,44 @@ def _no_check(*args, **kwargs) -> None:
 
 def linspace(start, end, steps, *, dtype=None, layout=None, device=None,
              pin_memory=None):
-    """``torch.linspace`` by torch's own formula (from both ends, in float32 or float64
-    for those types, the endpoints truncated first for an integer type, as its CPU
-    kernel does). torch_xla's kernel made every linspace float32 whatever the dtype
-    (a bfloat16 or int64 one came back float32, a float64 one lost its precision), by
-    a formula 7 of 16 float32 values off torch's. In bfloat16 and float16, torch's
-    vectorized loop adds the step to a lane's base, which depends on the CPU's vector
-    width: this is its scalar formula, within one ulp of it."""
+    """``torch.linspace`` by its CPU kernel's formula, for number or 0-dim tensor ends:
+    the ends in the result's type (truncated for an integer type, whose step is a
+    double), the step their difference over ``steps - 1``, and each value taken from
+    the nearer end (``start + step * i`` in the first half, ``end - step * (steps - 1
+    - i)`` in the second), each operation rounded to the result's type. torch_xla's
+    kernel made every linspace float32 whatever the dtype (a bfloat16 or int64 one
+    came back float32, a float64 one lost its precision), by a formula 7 of 16 float32
+    values off torch's, and tensor ends came back float64. torch's vectorized loop
+    adds the step to each lane's base instead, which shows in float32 in about 1 value
+    in 77 and in the half types by an ulp or two of the largest value."""
     from torch._decomp import decomposition_table
-    dtype = dtype or torch.get_default_dtype()
-    if dtype in _HALF and steps > 1 and all(isinstance(v, (int, float))
-                                            for v in (start, end)):
-        # the kernel's scalar arithmetic in the half type: the endpoints and the step
-        # rounded to it, and each product and sum
-        def r(t):
-            return t.to(dtype).float()
-        s, e = (r(torch.tensor(float(v), device=device)) for v in (start, end))
-        step = r((e - s) / (steps - 1))
-        idx = torch.arange(steps, dtype=torch.float32, device=device)
-        low = r(s + r(step * idx))
-        high = r(e - r(step * (steps - 1 - idx)))
-        return torch.where(idx < steps // 2, low, high).to(dtype)
-    if not dtype.is_floating_point and not dtype.is_complex:
-        start, end = (int(v) if isinstance(v, float) else v for v in (start, end))
-    return decomposition_table[torch.ops.aten.linspace.default](
-        start, end, steps, dtype=dtype, layout=layout, device=device,
-        pin_memory=pin_memory)
+    dtype = dtype or (torch.get_default_dtype() if not any(
+        isinstance(v, torch.Tensor) and v.is_complex() for v in (start, end))
+        else None)
+    if dtype is None or dtype.is_complex or steps < 1:
+        return decomposition_table[torch.ops.aten.linspace.default](
+            start, end, steps, dtype=dtype, layout=layout, device=device,
+            pin_memory=pin_memory)
+    integer = not dtype.is_floating_point
+    comp = torch.float64 if integer or dtype == torch.float64 else torch.float32
+
+    def r(t):               # rounded to the result's floating type
+        return t.to(dtype).to(comp) if dtype in _HALF else t
+
+    def end_value(v):
+        t = v.to(device) if isinstance(v, torch.Tensor) else torch.tensor(
+            v, dtype=torch.float64 if isinstance(v, float) else None, device=device)
+        if integer:
+            return t.to(torch.int64).to(comp)
+        return r(t.to(comp))
+    s, e = end_value(start), end_value(end)
+    idx = torch.arange(steps, dtype=comp, device=device)
+    if steps == 1:
+        return s.expand(1).to(dtype)
+    step = r((e - s) / (steps - 1))
+    low = r(s + r(step * idx))
+    high = r(e - r(step * (steps - 1 - idx)))
+    return torch.where(idx < steps // 2, low, high).to(dtype)
 
 
 def _half_by_torch(op, float64: bool = False) -> Callable:
@@ -746,7 +758,8 @@ def table() -> Dict[object, Callable]:
     out: Dict[object, Callable] = {**resample.table(), **pooling.table()}
     out.update({
         aten.histc.default: histc,
-        aten.linspace.default: linspace,
+        **{getattr(aten.linspace, ov): linspace
+           for ov in ("default", "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor")},
         aten.native_layer_norm.default: _half_by_torch(aten.native_layer_norm.default,
                                                        float64=True),
         aten.native_group_norm.default: _half_by_torch(aten.native_group_norm.default),
