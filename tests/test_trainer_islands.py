@@ -113,3 +113,39 @@ def test_multi_island_takes_weights_loaded_and_a_group_added_after_building(isla
     assert_losses_match(got, want)
     for n in tr.replicas[0]:
         assert torch.equal(tr.replicas[0][n].torch(), tr.replicas[1][n].torch()), n
+
+
+def test_multi_island_fp16_loss_scaling_equals_torch_gradscaler(islands, tmp_path):
+    """``precision="fp16"`` over two islands: each island scales its loss with its own
+    copy of the scale; the update unscales the mean gradient, so both islands skip the
+    same overflowing updates and keep equal scales, equal to torch's GradScaler on the
+    whole batch (stop 38)."""
+    from test_trainer_knobs import fp16_batches, fp16_model, torch_fp16_train
+    model, data = fp16_model(), fp16_batches()
+    ref = copy.deepcopy(model)
+    make_opt = lambda ps: torch.optim.Adam(ps, lr=1e-2)
+    want, want_scales = torch_fp16_train(ref, make_opt(ref.parameters()), data,
+                                         torch.amp.GradScaler("cpu", growth_interval=2))
+    tr = pw.Trainer(model, make_opt(model.parameters()), torch.nn.functional.cross_entropy,
+                    parallelism=pw.MultiIsland(islands, axis="data"), precision="fp16",
+                    scaler=torch.amp.GradScaler("cpu", growth_interval=2))
+    got, scales = [], []
+    for x, y in data:
+        got.append(float(tr.step(x, y)))
+        scales.append(tr.loss_scale)
+        assert float(tr._scalers[1]["scale"].torch()) == scales[-1]
+    assert scales == want_scales and len(set(scales)) > 1
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-3, atol=1e-4)
+    for n in tr.replicas[0]:
+        assert torch.equal(tr.replicas[0][n].torch(), tr.replicas[1][n].torch()), n
+    tr.sync_to()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=2e-3, atol=2e-3,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+    tr.save(str(tmp_path / "ckpt"))
+    copied = copy.deepcopy(model)
+    again = pw.Trainer(copied, make_opt(copied.parameters()),
+                       torch.nn.functional.cross_entropy,
+                       parallelism=pw.MultiIsland(islands, axis="data"), precision="fp16")
+    again.load(str(tmp_path / "ckpt"))
+    assert [float(s_["scale"].torch()) for s_ in again._scalers] == [want_scales[-1]] * 2

@@ -28,7 +28,8 @@ def multi_island_step(trainer, inputs, targets, lrs, hyper) -> Array:
         grads, losses = [], []
         for r, s in enumerate(trainer.slices):
             g, l = grad_prog(trainer.replicas[r], trainer.fixed[r],
-                             _place_batch(xs[r], s, axis), _place_batch(ys[r], s, axis))
+                             _place_batch(xs[r], s, axis), _place_batch(ys[r], s, axis),
+                             trainer._scalers[r] or None)
             grads.append(g)
             losses.append(l)
         for r, s in enumerate(trainer.slices):
@@ -36,7 +37,8 @@ def multi_island_step(trainer, inputs, targets, lrs, hyper) -> Array:
             gathered = [g if i == r else _tree_to(g, s) for i, g in enumerate(grads)]
             # parameters and state are updated in place (written back to their Arrays)
             trainer._store_created(r, apply_prog(trainer.replicas[r], trainer.states[r],
-                                                 lrs, gathered, hyper))
+                                                 lrs, gathered, hyper,
+                                                 scaler=trainer._scalers[r] or None))
         loss = mean_prog([l if i == 0 else l.to(trainer.slices[0])
                           for i, l in enumerate(losses)])
     return loss

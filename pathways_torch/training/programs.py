@@ -331,13 +331,15 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
 
 def make_grad_fn(model, loss_fn, options: Options, flat: bool = False):
     """Forward and backward only: the gradients (one flat buffer with ``flat``, which
-    travels between islands as one transfer) and the loss."""
-    def grads(params, fixed, inputs, targets):
+    travels between islands as one transfer) and the loss; with loss scaling
+    (``scaler``), the gradients of the scaled loss."""
+    def grads(params, fixed, inputs, targets, scaler=None):
         requires_grad(params, grad_hooks(model))
         with mode(model, True), reparametrized(model, {**params, **fixed}):
             loss = alone(*forward_loss(model, loss_fn, options, inputs, targets),
                          "MultiIsland")
-            gs = gradients(loss, params)
+            gs = gradients(scaling.scale_loss(loss, scaler) if options.scaling else loss,
+                           params)
         gs = {n: (g if g is not None else torch.zeros_like(params[n])) for n, g in gs.items()}
         if flat:
             return torch.cat([g.reshape(-1) for g in gs.values()]), loss.detach()
@@ -361,8 +363,10 @@ def make_apply_fn(spec: Dict, groups: List[List[str]], options: Options,
     """The update with the mean of ``grad_list`` (summed in its order, so every replica
     that sums the same list computes the same update). ``coef``, when given, is the
     clipping factor computed over several programs' gradients (a pipeline's stages),
-    which replaces clipping this program's own."""
-    def apply(params, states, lrs, grad_list, hyper, coef=None):
+    which replaces clipping this program's own. With loss scaling (``scaler``, each
+    island's copy) the mean gradient is unscaled, and the update skipped where it
+    overflowed: every island sees the same mean, so every island skips alike."""
+    def apply(params, states, lrs, grad_list, hyper, coef=None, scaler=None):
         total = grad_list[0]
         if flat_shapes is not None:
             for other in grad_list[1:]:
@@ -382,8 +386,18 @@ def make_apply_fn(spec: Dict, groups: List[List[str]], options: Options,
             opts = dataclasses.replace(options, max_grad_norm=None, max_grad_value=None)
         names = set(params)
         sub = [[n for n in g if n in names] for g in groups]
-        return clip_and_update(dict(spec, groups=hyper), sub, opts, params, grads, states,
-                               lrs)
+        if not options.scaling:
+            return clip_and_update(dict(spec, groups=hyper), sub, opts, params, grads,
+                                   states, lrs)
+        grads, found = scaling.unscale(grads, scaler)
+        before = scaling.kept(params, states)
+        created = clip_and_update(dict(spec, groups=hyper), sub, opts, params, grads,
+                                  states, lrs)
+        scaling.skip_if(found, before, params, states)
+        scaling.update_scale(scaler, found, options.scaling)
+        if created:
+            created[FOUND_INF] = {"found": found}
+        return created
     return apply
 
 

@@ -157,12 +157,12 @@ class Trainer:
                 f"{', '.join(type(o).__name__ for o in fopt.members(optimizer) if fopt.generic(o))}"
                 " is traced with its Python numbers, which DataParallel, "
                 "FullyShardedDataParallel and TensorParallel follow")
-        if isinstance(parallelism, (Pipeline, MultiIsland)) and scales:
+        if isinstance(parallelism, Pipeline) and scales:
             raise PathwaysError(
-                f"precision='fp16' (loss scaling) runs with DataParallel, FSDP and "
-                f"TensorParallel; a {type(parallelism).__name__} step updates in several "
-                "programs, which would each have to agree to skip: use precision='bf16', "
-                "which needs no loss scaling")
+                "precision='fp16' (loss scaling) runs with DataParallel, FSDP, "
+                "TensorParallel and MultiIsland; a Pipeline step updates each stage in "
+                "its own program, which would each have to agree to skip: use "
+                "precision='bf16', which needs no loss scaling")
         if scales and self._book is not None:
             raise PathwaysError(
                 "precision='fp16' (loss scaling) runs torch.optim's optimizers; "
@@ -222,10 +222,11 @@ class Trainer:
                     if isinstance(v, torch.Tensor) and v.dim() == 0:
                         self._book.group_tensors[(gi, k)] = put(v.detach().clone(),
                                                                 self.slices[0], P())
-        # precision="fp16": the loss scale and growth tracker (scaling.py), on the first slice
-        self._scaler: Dict[str, Array] = (
-            {k: put(t, self.slices[0], P()) for k, t in scaling.initial(scaler).items()}
-            if scales else {})
+        # precision="fp16": the loss scale and growth tracker (scaling.py), with each
+        # replica (MultiIsland: one per island, all updated alike)
+        self._scalers: List[Dict[str, Array]] = [{} for _ in homes]
+        if scales:
+            self._put_scalers(scaling.initial(scaler))
         self.micro = 0                                # micro-steps since the last update
         self._warned_fp16 = False       # a step under float16 autocast without scaling
         self.seeds = SeedStream.of_torch() if seed is None else SeedStream(seed)
@@ -367,6 +368,17 @@ class Trainer:
         if pending is not None:
             layout, slot, values = pending
             self._book.advance(layout, slot, values, self.optimizer.param_groups)
+
+    @property
+    def _scaler(self) -> Dict[str, Array]:
+        """The first replica's loss scale and growth tracker ({} without scaling)."""
+        return self._scalers[0]
+
+    def _put_scalers(self, values: Dict[str, torch.Tensor]) -> None:
+        """The loss scale and growth tracker ``values`` with every replica."""
+        self._scalers = [{k: put(t, self.slices[r] if isinstance(
+            self.parallelism, MultiIsland) else self.slices[0], P())
+            for k, t in values.items()} for r in range(len(self._homes))]
 
     def _store_created(self, r: int, created: Dict[str, Dict[str, Array]]) -> None:
         found = created.pop(FOUND_INF, None)
@@ -545,8 +557,7 @@ class Trainer:
         if self._ema is not None and "ema" in sd:
             self._ema.load_state(sd["ema"])
         if self._scaler and "scaler" in sd:
-            self._scaler = {k: put(sd["scaler"][k], self.slices[0], P())
-                            for k in self._scaler}
+            self._put_scalers({k: sd["scaler"][k] for k in self._scaler})
         follow.record(self, stale=True)    # the module's old values: replaced (a read fetches)
         if self._book is not None and "numbers" in sd:
             self._book.mirror = copy.deepcopy(sd["numbers"])
@@ -740,9 +751,10 @@ class Trainer:
                     wanted["rng"] = (home_of(first), torch.Size([2]), torch.int64, P())
                 if self._ema is not None and "ema_n" in side:
                     wanted.update(self._ema.wanted())
-                if self._scaler and "scaler.scale" in saved:
-                    wanted.update({f"scaler.{k}": (home_of(first), a.shape, a.dtype, P())
-                                   for k, a in self._scaler.items()})
+            if self._scaler and "scaler.scale" in saved:     # with every replica
+                wanted.update({f"scaler.{k}": (home_of(next(iter(self.replicas[r]))),
+                                               a.shape, a.dtype, P())
+                               for k, a in self._scaler.items()})
             got = load_arrays(path, wanted)
             for n in self.replicas[r]:
                 self.replicas[r][n] = got[f"model.{n}"]
@@ -767,12 +779,10 @@ class Trainer:
                     self._set_rng(got["rng"].torch())
                 if self._ema is not None and "ema_n" in side:
                     self._ema.loaded(got, int(side["ema_n"]))
-                if self._scaler:        # a checkpoint without loss scaling starts afresh
-                    self._scaler = (
-                        {k: got[f"scaler.{k}"] for k in self._scaler}
-                        if "scaler.scale" in saved else
-                        {k: put(t, self.slices[0], P()) for k, t in
-                         scaling.initial(self._grad_scaler).items()})
+            if self._scaler and "scaler.scale" in saved:
+                self._scalers[r] = {k: got[f"scaler.{k}"] for k in self._scaler}
+        if self._scaler and "scaler.scale" not in saved:    # saved without loss scaling
+            self._put_scalers(scaling.initial(self._grad_scaler))
         self.micro = int(side.get("micro", 0))
         for g, lr in zip(self.optimizer.param_groups, side.get("lrs", ())):
             g["lr"] = lr                      # what the scheduler had written
