@@ -9,6 +9,7 @@ import pathways_torch as pw
 
 from test_trainer import OPTIMIZERS, assert_losses_match, deep_model, loss_fn, make_data, \
     torch_losses
+from trainer_helpers import fp16_batches, fp16_model, torch_fp16_train
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,6 @@ def test_multi_island_fp16_loss_scaling_equals_torch_gradscaler(islands, tmp_pat
     copy of the scale; the update unscales the mean gradient, so both islands skip the
     same overflowing updates and keep equal scales, equal to torch's GradScaler on the
     whole batch (stop 38)."""
-    from test_trainer_knobs import fp16_batches, fp16_model, torch_fp16_train
     model, data = fp16_model(), fp16_batches()
     ref = copy.deepcopy(model)
     make_opt = lambda ps: torch.optim.Adam(ps, lr=1e-2)

@@ -28,7 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 import pathways_torch as pw
 from pathways_torch import P
-from trainer_helpers import assert_losses, assert_same_model, batches, mlp
+from trainer_helpers import (assert_losses, assert_same_model, batches, fp16_batches,
+                             fp16_model, mlp, torch_fp16_train)
 
 F = nn.functional
 TOL = 1e-5
@@ -695,42 +696,6 @@ def test_steps_inside_the_users_own_autocast_equal_torch(s2):
 # ---------------------------------------------------------------------- 5b. fp16
 
 FP16_RTOL = 2e-3
-
-
-def fp16_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(),
-                         nn.Linear(16, 4))
-
-
-def fp16_batches():
-    """Batches whose first and fourth overflow float16 (inputs of 1e4: inf gradients
-    at a scale of 2**15 or more), so two updates are skipped, the first of them
-    before the optimizer has any state."""
-    data = batches(7, seed=11)
-    return [(x * 1e4, y) if i in (0, 3) else (x, y) for i, (x, y) in enumerate(data)]
-
-
-def torch_fp16_train(model, opt, data, scaler, clip=None, accumulate=1):
-    """torch's fp16 recipe: autocast, GradScaler (scale, unscale_ before clipping, step,
-    update); with ``accumulate=k`` the scaled losses of k batches divided by k."""
-    losses, scales = [], []
-    model.train()
-    for i, (x, y) in enumerate(data):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss / accumulate).backward()
-        losses.append(loss.item())
-        if (i + 1) % accumulate:
-            continue
-        if clip is not None:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        scales.append(scaler.get_scale())
-    return losses, scales
 
 
 @pytest.mark.parametrize("case", ["adam", "adam_fsdp", "sgd_dampened_clipped",

@@ -1,7 +1,8 @@
 """Small models, data and comparisons shared by the Trainer's tests against torch.
 
 ``mlp`` and ``batches`` are the same model and data in every module that imports them
-(a seed each); the assertions compare with plain torch within ``TOL`` (1e-5, absolute
+(a seed each); ``fp16_*`` are the loss-scaling tests' model, data and torch recipe; the
+assertions compare with plain torch within ``TOL`` (1e-5, absolute
 and relative) unless a test states otherwise.
 """
 
@@ -43,3 +44,39 @@ def assert_same_model(trained, ref, atol=TOL, buffers=True):
                                            msg=lambda m, n=n: f"{n}: {m}")
             else:
                 assert torch.equal(a, b), (n, a, b)
+
+
+def fp16_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(),
+                         nn.Linear(16, 4))
+
+
+def fp16_batches():
+    """Batches whose first and fourth overflow float16 (inputs of 1e4: inf gradients
+    at a scale of 2**15 or more), so two updates are skipped, the first of them
+    before the optimizer has any state."""
+    data = batches(7, seed=11)
+    return [(x * 1e4, y) if i in (0, 3) else (x, y) for i, (x, y) in enumerate(data)]
+
+
+def torch_fp16_train(model, opt, data, scaler, clip=None, accumulate=1):
+    """torch's fp16 recipe: autocast, GradScaler (scale, unscale_ before clipping, step,
+    update); with ``accumulate=k`` the scaled losses of k batches divided by k."""
+    losses, scales = [], []
+    model.train()
+    for i, (x, y) in enumerate(data):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss / accumulate).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulate:
+            continue
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return losses, scales
