@@ -641,21 +641,6 @@ def nan_to_num(x, nan=None, posinf=None, neginf=None):
     return torch.where(x != x, value(nan, 0.0), out)
 
 
-def _float64_by(op):
-    """torch's own decomposition of ``op`` for float64 tensors: torch_xla's kernels for
-    these compute with float32 constants (gelu's 1/sqrt(2), threshold's value, layer
-    norm's and logit's eps), 1e-9 to 4e-8 off where float64 is good to 1e-16. Other dtypes keep
-    XLA's kernel."""
-    from torch._decomp import decomposition_table
-    decomp = decomposition_table[op]
-
-    def run(x, *args, **kwargs):
-        if x.dtype != torch.float64:
-            return NotImplemented
-        return decomp(x, *args, **kwargs)
-    return run
-
-
 def _float64_log(base: float):
     """log2 / log10 of float64 tensors as log(x) / log(base) in double (torch_xla's
     kernels divide by a float32 ln(base): 1e-8 off)."""
@@ -722,23 +707,30 @@ def linspace(start, end, steps, *, dtype=None, layout=None, device=None,
     return torch.where(idx < steps // 2, low, high).to(dtype)
 
 
-def _half_by_torch(op, float64: bool = False) -> Callable:
-    """``op`` by torch's decomposition when its floating tensors are all one half type
-    (or, with ``float64``, its first is float64: see ``_float64_by``); XLA's kernel
-    otherwise. torch_xla's layer and group norms compute bfloat16 and
-    float16 with a rounding at each step: a float16 layer norm, forward and backward,
-    came out twice torch's distance from the exact result, a group norm 1.8x, and
-    their gradients (torch's decompositions, which torch_xla has no kernel for) as far,
-    from the statistics the forward saved. torch's decompositions compute in float32
-    and equal its kernels (group norm in every element; layer norm's input gradient in
-    all but 1 in 1,000, its weight and bias gradients 3-5x closer to exact than torch's
-    own kernel, which sums them in the half type)."""
+def _by_torch(op, *, half: bool = True, float64: bool = False) -> Callable:
+    """``op`` by torch's own decomposition when its floating tensors are all one half
+    type (``half``) or its first is float64 (``float64``); XLA's kernel otherwise.
+
+    float64: torch_xla's kernels of gelu, threshold, layer norm and logit compute with
+    float32 constants (gelu's 1/sqrt(2), threshold's value, layer norm's and logit's
+    eps), 1e-9 to 4e-8 off where float64 is good to 1e-16.
+
+    Half types: torch_xla's layer and group norms compute bfloat16 and float16 with a
+    rounding at each step: a float16 layer norm, forward and backward, came out twice
+    torch's distance from the exact result, a group norm 1.8x, and their gradients
+    (torch's decompositions, which torch_xla has no kernel for) as far, from the
+    statistics the forward saved. torch's decompositions compute in float32 and equal
+    its kernels (group norm in every element; layer norm's input gradient in all but 1
+    in 1,000, its weight and bias gradients 3-5x closer to exact than torch's own
+    kernel, which sums them in the half type)."""
     from torch._decomp import decomposition_table
     decomp = decomposition_table[op]
 
     def run(*args, **kwargs):
         if float64 and args[0].dtype == torch.float64:
             return decomp(*args, **kwargs)
+        if not half:
+            return NotImplemented
         floats = {t.dtype for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.is_floating_point()}
         if len(floats) != 1 or floats.pop() not in _HALF:
@@ -760,9 +752,9 @@ def table() -> Dict[object, Callable]:
         aten.histc.default: histc,
         **{getattr(aten.linspace, ov): linspace
            for ov in ("default", "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor")},
-        aten.native_layer_norm.default: _half_by_torch(aten.native_layer_norm.default,
-                                                       float64=True),
-        aten.native_group_norm.default: _half_by_torch(aten.native_group_norm.default),
+        aten.native_layer_norm.default: _by_torch(aten.native_layer_norm.default,
+                                                  float64=True),
+        aten.native_group_norm.default: _by_torch(aten.native_group_norm.default),
         # torch_xla's logspace was 41 of 50 float32 values off torch's: torch's formula
         aten.logspace.default: decomposition_table[aten.logspace.default],
         aten._weight_norm_interface_backward.default: weight_norm_backward,
@@ -811,7 +803,7 @@ def table() -> Dict[object, Callable]:
         aten.erfinv.default: _of_floats(aten.erfinv.default),
         aten.logsumexp.default: _of_floats(aten.logsumexp.default),
         aten.pow.Tensor_Tensor: integer_pow,
-        **{op: _float64_by(op) for op in (
+        **{op: _by_torch(op, half=False, float64=True) for op in (
             aten.gelu.default, aten.gelu_backward.default, aten.threshold.default,
             aten.threshold_backward.default,
             aten.logit.default, aten.logit_backward.default)},

@@ -254,6 +254,25 @@ def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, param
     return created
 
 
+def scaled_update(options: Options, scaler, params, states, grads,
+                  update: Callable[[Dict[str, Any]], Dict]) -> Dict:
+    """``update(grads)`` (clipping and the optimizer step; it returns the state it
+    created), under loss scaling as GradScaler runs it: on the unscaled gradients,
+    undone where they overflowed, the scale updated after, and what it created marked
+    with ``FOUND_INF`` (kept only if the update was not skipped). Without loss scaling,
+    ``update(grads)``."""
+    if not options.scaling:
+        return update(grads)
+    grads, found = scaling.unscale(grads, scaler)
+    before = scaling.kept(params, states)
+    created = update(grads)
+    scaling.skip_if(found, before, params, states)
+    scaling.update_scale(scaler, found, options.scaling)
+    if created:
+        created[FOUND_INF] = {"found": found}
+    return created
+
+
 def clip_values(grads: Dict[str, Any], limit: Optional[float]) -> Dict[str, Any]:
     """``torch.nn.utils.clip_grad_value_``: each gradient clamped to [-limit, limit]."""
     if limit is None:
@@ -315,16 +334,9 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
                     t.zero_()
         if spec.get("book") is not None:
             hyper = hyper[0]        # beside it, the trace of the numbers (a key only)
-        if scales:
-            grads, found = scaling.unscale(grads, scaler)
-            before = scaling.kept(params, states)
-        created = clip_and_update(dict(spec, groups=hyper), groups, options, params, grads,
-                                  states, lrs)
-        if scales:
-            scaling.skip_if(found, before, params, states)
-            scaling.update_scale(scaler, found, scales)
-            if created:     # the state a first update made: kept unless it was skipped
-                created[FOUND_INF] = {"found": found}
+        created = scaled_update(options, scaler, params, states, grads, lambda gs:
+                                clip_and_update(dict(spec, groups=hyper), groups, options,
+                                                params, gs, states, lrs))
         return returned(loss, rest), created
     return train_step
 
@@ -386,18 +398,9 @@ def make_apply_fn(spec: Dict, groups: List[List[str]], options: Options,
             opts = dataclasses.replace(options, max_grad_norm=None, max_grad_value=None)
         names = set(params)
         sub = [[n for n in g if n in names] for g in groups]
-        if not options.scaling:
-            return clip_and_update(dict(spec, groups=hyper), sub, opts, params, grads,
-                                   states, lrs)
-        grads, found = scaling.unscale(grads, scaler)
-        before = scaling.kept(params, states)
-        created = clip_and_update(dict(spec, groups=hyper), sub, opts, params, grads,
-                                  states, lrs)
-        scaling.skip_if(found, before, params, states)
-        scaling.update_scale(scaler, found, options.scaling)
-        if created:
-            created[FOUND_INF] = {"found": found}
-        return created
+        return scaled_update(options, scaler, params, states, grads, lambda gs:
+                             clip_and_update(dict(spec, groups=hyper), sub, opts, params,
+                                             gs, states, lrs))
     return apply
 
 
