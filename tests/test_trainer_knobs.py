@@ -608,20 +608,30 @@ def test_float64_training_equals_torch_in_float64(s2, make_opt):
 
 # ---------------------------------------------------------------------- 5. bf16
 
-def test_bf16_equals_torch_autocast(s2):
+@pytest.mark.parametrize("strat", ["dp", "pipeline"])
+def test_bf16_equals_torch_autocast(s2, pipe_slices, strat):
+    """``precision="bf16"``: forward and loss under bfloat16 autocast. The first loss
+    (no update yet) is torch's autocast loss to 1e-6, which the float32 one is not:
+    before stop 39 a Pipeline's stages ran in float32 whatever the precision."""
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
     model, data = mlp(), batches(3, seed=6)
     ref, ref32 = copy.deepcopy(model), copy.deepcopy(model)
-    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, slice=s2,
-                    precision="bf16")
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy,
+                    precision="bf16", **dp_or_pipeline(strat, s2, pipe_slices))
     got = floats([tr.step(x, y) for x, y in data])
     want, _ = torch_train(ref, make_opt(ref.parameters()), data, bf16=True)
     fp32, _ = torch_train(ref32, make_opt(ref32.parameters()), data)
     print(f"bf16 losses: pathways {got}  torch autocast {want}  torch fp32 {fp32}")
     assert_losses(got, want, rtol=BF16_RTOL, atol=0)
+    assert got[0] == pytest.approx(want[0], rel=1e-6, abs=0)
+    assert abs(fp32[0] - want[0]) > 1e-5        # what the 1e-6 tells apart
     # parameters and optimizer state stay float32, and close to torch's
     assert all(a.dtype == torch.float32 for a in tr.params.values())
     assert all(a.dtype == torch.float32 for st in tr.states[0].values() for a in st.values())
+    # evaluation runs under the same autocast
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_eval = F.cross_entropy(copy.deepcopy(ref).eval()(data[0][0]), data[0][1])
+    assert float(tr.evaluate(*data[0])) == pytest.approx(float(ref_eval), rel=BF16_RTOL)
     trained = tr.sync_to(copy.deepcopy(model))
     for (n, a), b in zip(trained.named_parameters(), ref.parameters()):
         assert a.dtype == torch.float32
@@ -798,9 +808,65 @@ def test_precision_names_and_what_they_refuse(s2, pipe_slices):
         make(slice=s2, precision="fp16", scaler={"init_scale": 1024})
     with pytest.raises(pw.PathwaysError, match="goes with precision='fp16'"):
         make(slice=s2, precision="bf16", scaler=torch.amp.GradScaler("cpu"))
-    with pytest.raises(pw.PathwaysError, match="precision='bf16'"):
-        make(parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices),
-             precision="fp16")
+
+
+@pytest.mark.parametrize("case", ["adam_clipped", "sgd_dampened"])
+def test_pipeline_fp16_with_loss_scaling_equals_torch_gradscaler(pipe_slices, case,
+                                                                 tmp_path):
+    """``precision="fp16"`` under a 2-stage Pipeline, against torch's recipe over the
+    same micro-batches (``scaler.scale(loss / m).backward()`` each, then one
+    ``unscale_``, clip, ``step``, ``update``). A stage's gradients overflow where the
+    other's may not: every stage must skip together and keep the same scale, so the
+    stages' found_inf meet on the first stage's slice beside the clipping norm's parts.
+    Every scale equals torch's; losses, parameters and state within 2e-3 relative.
+    Before stop 39, refused."""
+    make_opt, clip = {
+        "adam_clipped": (lambda ps: torch.optim.Adam(ps, lr=1e-2), 0.5),
+        "sgd_dampened": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9,
+                                                    dampening=0.1), None),
+    }[case]
+    model, data = fp16_model(), fp16_batches()
+    ref = copy.deepcopy(model)
+    ref_opt = make_opt(ref.parameters())
+    micro = [(x[a:a + 4], y[a:a + 4]) for x, y in data for a in (0, 4)]
+    losses, want_scales = torch_fp16_train(
+        ref, ref_opt, micro, torch.amp.GradScaler("cpu", growth_interval=2), clip=clip,
+        accumulate=2)
+    want = [(a + b) / 2 for a, b in zip(losses[::2], losses[1::2])]
+
+    def pipeline_trainer(m):
+        return pw.Trainer(m, make_opt(m.parameters()), F.cross_entropy,
+                          parallelism=pw.Pipeline(stages=2, microbatches=2,
+                                                  slices=pipe_slices),
+                          precision="fp16", max_grad_norm=clip,
+                          scaler=torch.amp.GradScaler("cpu", growth_interval=2))
+    tr = pipeline_trainer(model)
+    got, scales = [], []
+    for x, y in data:
+        got.append(float(tr.step(x, y)))
+        scales.append(tr.loss_scale)
+    print(f"pipeline fp16 {case}: losses {got} torch {want}; scales {scales} "
+          f"torch {want_scales}")
+    assert scales == want_scales
+    seq = [65536.0] + scales
+    assert any(b < a for a, b in zip(seq, seq[1:])) and any(b > a for a, b in zip(seq, seq[1:]))
+    # both stages' copies of the scale stay equal
+    assert [float(sc["scale"].torch()) for sc in tr._scalers] == [scales[-1]] * 2
+    assert_losses(got, want, rtol=FP16_RTOL, atol=1e-4)
+    tr.sync_to()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=FP16_RTOL, atol=FP16_RTOL,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+    for p, q in zip(model.parameters(), ref_opt.param_groups[0]["params"]):
+        mine, theirs = tr.optimizer.state[p], ref_opt.state[q]
+        assert set(mine) == set(theirs)
+        for key, v in theirs.items():
+            torch.testing.assert_close(mine[key], v, rtol=FP16_RTOL, atol=FP16_RTOL)
+    # a checkpoint restores the scale on every stage
+    tr.save(str(tmp_path / "ckpt"))
+    again = pipeline_trainer(copy.deepcopy(model))
+    again.load(str(tmp_path / "ckpt"))
+    assert [float(sc["scale"].torch()) for sc in again._scalers] == [scales[-1]] * 2
 
 
 @pytest.mark.parametrize("strat", ["dp", "pipeline"])

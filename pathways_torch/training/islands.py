@@ -32,15 +32,17 @@ def multi_island_step(trainer, inputs, targets, lrs, hyper) -> Array:
                              trainer._scalers[r] or None)
             grads.append(g)
             losses.append(l)
+        created = []
         for r, s in enumerate(trainer.slices):
             # every replica sums the same gradients in the same order: identical updates
             gathered = [g if i == r else _tree_to(g, s) for i, g in enumerate(grads)]
             # parameters and state are updated in place (written back to their Arrays)
-            trainer._store_created(r, apply_prog(trainer.replicas[r], trainer.states[r],
-                                                 lrs, gathered, hyper,
-                                                 scaler=trainer._scalers[r] or None))
+            created.append(apply_prog(trainer.replicas[r], trainer.states[r], lrs,
+                                      gathered, hyper, scaler=trainer._scalers[r] or None))
         loss = mean_prog([l if i == 0 else l.to(trainer.slices[0])
                           for i, l in enumerate(losses)])
+    for r, c in enumerate(created):     # (under loss scaling, kept if the update was
+        trainer._store_created(r, c)    # not skipped: a read, after the graph is sent)
     return loss
 
 

@@ -17,8 +17,10 @@ from ..client.graph import graph
 from ..errors import PathwaysError
 from ..parallel.strategies import Pipeline
 from .batches import _place_batch, _split
-from .programs import (alone, clip_coef, grad_hooks, grad_square_sum, loss_and_rest,
-                       make_apply_fn, mode, reparametrized, requires_grad, returned)
+from . import scaling
+from .programs import (alone, autocast, clip_coef, grad_hooks, grad_square_sum,
+                       loss_and_rest, make_apply_fn, mode, reparametrized, requires_grad,
+                       returned)
 
 
 def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
@@ -31,12 +33,17 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
                if n.split(".", 1)[0] in names} for _, names in stages]
     fixed = [{n: t for n, t in trainer.fixed[0].items() if n.split(".", 1)[0] in names}
              for _, names in stages]
-    fwd = [trainer._program(f"stage{k}_fwd", _make_stage_fwd(mod, k == 0))
+    options = trainer.options
+    fwd = [trainer._program(f"stage{k}_fwd", _make_stage_fwd(mod, k == 0, options))
            for k, (mod, _) in enumerate(stages)]
-    bwd = [trainer._program(f"stage{k}_bwd", _make_stage_bwd(mod, k == 0, trainer.model))
+    bwd = [trainer._program(f"stage{k}_bwd", _make_stage_bwd(mod, k == 0, trainer.model,
+                                                             options))
            for k, (mod, _) in enumerate(stages[:-1])]
     last_bwd = trainer._program("last_bwd", _make_last_bwd(stages[-1][0], trainer.loss_fn, m,
-                                                           last == 0, trainer.model))
+                                                           last == 0, trainer.model, options))
+    # precision="fp16": each stage holds a copy of the loss scale (the last scales the
+    # loss with it, every stage unscales its own gradients), all updated alike
+    scalers = [trainer._scalers[k] or None for k in range(len(stages))]
     apply_prog = trainer._program("apply", make_apply_fn(trainer.opt, trainer._groups,
                                                          trainer.options))
     mean_prog = trainer._program("mean", lambda ls: torch.stack(ls).sum() / len(ls))
@@ -57,34 +64,67 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
         for j in reversed(range(m)):
             y = _place_batch(ys[j], slices[last], None)
             gx, acc[last], loss = last_bwd(params[last], fixed[last], acts[j][last], y,
-                                           acc[last] if acc[last] is not None else {})
+                                           acc[last] if acc[last] is not None else {},
+                                           scalers[last])
             losses.append(loss)
             for k in reversed(range(last)):
                 gy = gx.to(slices[k])
                 gx, acc[k] = bwd[k](params[k], fixed[k], acts[j][k], saved[j][k], gy,
                                     acc[k] if acc[k] is not None else {})
                 saved[j][k] = None
-        coefs = [None] * len(stages)
-        max_norm = trainer.options.max_grad_norm
-        if max_norm is not None:
-            # clip_grad_norm_ over the whole model: every stage's share of the norm
-            # meets on the first stage's slice, the factor goes back to each stage
-            sq = trainer._program("grad_sq", grad_square_sum)
-            coef_prog = trainer._program("clip_coef", clip_coef)
-            value = trainer.options.max_grad_value
-            parts = [sq(acc[k], None if value is None else float(value))
-                     for k in range(len(stages))]
-            coef = coef_prog([p if k == 0 else p.to(slices[0])
-                              for k, p in enumerate(parts)], float(max_norm))
-            coefs = [coef if k == 0 else coef.to(slices[k]) for k in range(len(stages))]
+        verdicts = [{}] * len(stages)
+        if options.max_grad_norm is not None or options.scaling:
+            # clip_grad_norm_'s norm and GradScaler's found_inf are over the whole model:
+            # every stage's part meets on the first stage's slice, and the clipping
+            # factor and whether to skip go back to each stage
+            check = trainer._program("grad_check", _make_grad_check(options))
+            parts = [check(acc[k], scalers[k]) for k in range(len(stages))]
+            combine = trainer._program("grad_combine", _make_combine(options))
+            both = combine([_moved(p, slices[0]) for p in parts])
+            verdicts = [_moved(both, s) for s in slices]
+        created = []
         for k in range(len(stages)):
             st = {n: trainer.states[0][n] for n in params[k]}
             # parameters and state are updated in place (written back to their Arrays)
-            args = (params[k], st, lrs, [acc[k]], hyper)
-            created = apply_prog(*args) if coefs[k] is None else apply_prog(*args, coefs[k])
-            trainer._store_created(0, created)
+            created.append(apply_prog(params[k], st, lrs, [acc[k]], hyper,
+                                      verdicts[k].get("coef"), scalers[k],
+                                      verdicts[k].get("found")))
         loss = mean_prog(losses)
+    for c in created:       # (under loss scaling, kept if the update was not skipped:
+        trainer._store_created(0, c)        # a read, after the graph is submitted)
     return loss
+
+
+def _make_grad_check(options):
+    """A stage's part of what is decided over every stage's gradients: the square sum
+    for clip_grad_norm_, and under loss scaling whether any overflowed, both of the
+    unscaled gradients (GradScaler.unscale_ comes before clipping)."""
+    value = options.max_grad_value
+
+    def grad_check(grads, scaler):
+        out = {}
+        if options.scaling:
+            grads, out["found"] = scaling.unscale(grads, scaler)
+        if options.max_grad_norm is not None:
+            out["sq"] = grad_square_sum(grads, None if value is None else float(value))
+        return out
+    return grad_check
+
+
+def _make_combine(options):
+    """The stages' parts combined: the clipping factor, and found_inf if any overflowed."""
+    def grad_combine(parts):
+        out = {}
+        if options.max_grad_norm is not None:
+            out["coef"] = clip_coef([p["sq"] for p in parts], float(options.max_grad_norm))
+        if options.scaling:
+            out["found"] = torch.stack([p["found"] for p in parts]).amax()
+        return out
+    return grad_combine
+
+
+def _moved(arrays: Dict[str, Array], slice_) -> Dict[str, Array]:
+    return {k: a if a.slice is slice_ else a.to(slice_) for k, a in arrays.items()}
 
 
 def _split_stages(model: torch.nn.Module, pipe: Pipeline):
@@ -161,15 +201,16 @@ class _Stash:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-def _make_stage_fwd(mod, first: bool):
-    """A stage's forward; also returns the tensors its backward needs (see _Stash)."""
+def _make_stage_fwd(mod, first: bool, options):
+    """A stage's forward (under the precision's autocast, as the whole model's would
+    run); also returns the tensors its backward needs (see _Stash)."""
     def stage_fwd(params, fixed, x):
         for t in params.values():
             t.requires_grad_()
         if not first:
             x = x.requires_grad_()
         stash = _Stash(x, params)
-        with stash.hooks(), mode(mod, True), _stage(mod, params, fixed):
+        with stash.hooks(), mode(mod, True), _stage(mod, params, fixed), autocast(options):
             y = mod(x)
         return y.detach(), [t.detach() for t in stash.recorded]
     return stage_fwd
@@ -179,7 +220,7 @@ def _accumulate(acc, names, grads):
     return {n: (acc[n] + g if n in acc else g) for n, g in zip(names, grads)}
 
 
-def _make_stage_bwd(mod, first: bool, model):
+def _make_stage_bwd(mod, first: bool, model, options):
     """Backpropagate ``gy`` through the stage with the forward's saved tensors;
     accumulate the parameters' gradients."""
     def stage_bwd(params, fixed, x, saved, gy, acc):
@@ -192,7 +233,7 @@ def _make_stage_bwd(mod, first: bool, model):
         fixed = {n: t.clone() for n, t in fixed.items()}
         wrt = leaves if first else [x] + leaves
         with mode(mod, True), _stage(mod, params, fixed):
-            with _Stash(x, params, saved).hooks():
+            with _Stash(x, params, saved).hooks(), autocast(options):
                 y = mod(x)
             grads = torch.autograd.grad(y, wrt, grad_outputs=gy)
         gx = torch.zeros((), dtype=y.dtype) if first else grads[0]
@@ -200,9 +241,10 @@ def _make_stage_bwd(mod, first: bool, model):
     return stage_bwd
 
 
-def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool, model):
-    """The last stage: forward, loss / microbatches, backward; accumulate grads."""
-    def last_bwd(params, fixed, x, targets, acc):
+def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool, model, options):
+    """The last stage: forward, loss / microbatches (times the loss scale, with one:
+    ``scaler.scale(loss / m).backward()``), backward; accumulate grads."""
+    def last_bwd(params, fixed, x, targets, acc, scaler=None):
         names = list(params)
         requires_grad(params, grad_hooks(model))
         leaves = [params[n] for n in names]
@@ -210,8 +252,13 @@ def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool, model):
             x = x.requires_grad_()
         wrt = leaves if first else [x] + leaves
         with mode(mod, True), _stage(mod, params, fixed):
-            loss = alone(*loss_and_rest(mod(x), targets, loss_fn), "a Pipeline")
-            grads = torch.autograd.grad(loss / microbatches, wrt)
+            with autocast(options):
+                loss = alone(*loss_and_rest(mod(x), targets, loss_fn), "a Pipeline")
+            if loss.dtype in (torch.float16, torch.bfloat16):
+                loss = loss.float()     # reported in float32, as a whole model's step
+            part = loss / microbatches
+            grads = torch.autograd.grad(
+                scaling.scale_loss(part, scaler) if options.scaling else part, wrt)
         gx = torch.zeros((), dtype=loss.dtype) if first else grads[0]
         return gx, _accumulate(acc, names, grads if first else grads[1:]), loss.detach()
     return last_bwd
@@ -223,6 +270,7 @@ def pipeline_eval(trainer, inputs, targets, outputs: bool = False):
     stages, slices = trainer._stages, trainer.slices
     h = _place_batch(inputs, slices[0], None)
     with graph():
+        options = trainer.options
         for k, (mod, names) in enumerate(stages):
             params = {n: a for n, a in trainer.replicas[0].items()
                       if n.split(".", 1)[0] in names}
@@ -231,16 +279,23 @@ def pipeline_eval(trainer, inputs, targets, outputs: bool = False):
             final = k == len(stages) - 1
             if final and not outputs:
                 prog = trainer._program("eval_last", _make_stage_eval(mod, trainer.loss_fn,
-                                                                      True))
+                                                                      True, options))
                 return prog(params, fixed, h, _place_batch(targets, slices[k], None))
-            prog = trainer._program(f"stage{k}_eval", _make_stage_eval(mod, None, False))
+            prog = trainer._program(f"stage{k}_eval",
+                                    _make_stage_eval(mod, None, False, options))
             h = prog(params, fixed, h, None)
     return h
 
 
-def _make_stage_eval(mod, loss_fn, with_loss: bool):
+def _make_stage_eval(mod, loss_fn, with_loss: bool, options):
     def stage_eval(params, fixed, x, targets):
-        with mode(mod, False), torch.no_grad(), _stage(mod, params, fixed):
+        with mode(mod, False), torch.no_grad(), _stage(mod, params, fixed), \
+                autocast(options):
             y = mod(x)
-            return returned(*loss_and_rest(y, targets, loss_fn)) if with_loss else y
+            if not with_loss:
+                return y
+            loss, rest = loss_and_rest(y, targets, loss_fn)
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()
+        return returned(loss, rest)
     return stage_eval

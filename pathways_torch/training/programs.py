@@ -255,15 +255,18 @@ def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, param
 
 
 def scaled_update(options: Options, scaler, params, states, grads,
-                  update: Callable[[Dict[str, Any]], Dict]) -> Dict:
+                  update: Callable[[Dict[str, Any]], Dict],
+                  found: Optional[torch.Tensor] = None) -> Dict:
     """``update(grads)`` (clipping and the optimizer step; it returns the state it
     created), under loss scaling as GradScaler runs it: on the unscaled gradients,
     undone where they overflowed, the scale updated after, and what it created marked
-    with ``FOUND_INF`` (kept only if the update was not skipped). Without loss scaling,
-    ``update(grads)``."""
+    with ``FOUND_INF`` (kept only if the update was not skipped). ``found``, when given,
+    is whether any of several programs' gradients overflowed (a pipeline's stages),
+    which replaces this program's own. Without loss scaling, ``update(grads)``."""
     if not options.scaling:
         return update(grads)
-    grads, found = scaling.unscale(grads, scaler)
+    grads, own = scaling.unscale(grads, scaler)
+    found = own if found is None else found
     before = scaling.kept(params, states)
     created = update(grads)
     scaling.skip_if(found, before, params, states)
@@ -376,9 +379,10 @@ def make_apply_fn(spec: Dict, groups: List[List[str]], options: Options,
     that sums the same list computes the same update). ``coef``, when given, is the
     clipping factor computed over several programs' gradients (a pipeline's stages),
     which replaces clipping this program's own. With loss scaling (``scaler``, each
-    island's copy) the mean gradient is unscaled, and the update skipped where it
-    overflowed: every island sees the same mean, so every island skips alike."""
-    def apply(params, states, lrs, grad_list, hyper, coef=None, scaler=None):
+    island's or stage's copy) the mean gradient is unscaled, and the update skipped where
+    it overflowed: every island sees the same mean, so every island skips alike; a
+    pipeline's stages skip alike by ``found``, their overflows combined."""
+    def apply(params, states, lrs, grad_list, hyper, coef=None, scaler=None, found=None):
         total = grad_list[0]
         if flat_shapes is not None:
             for other in grad_list[1:]:
@@ -392,15 +396,17 @@ def make_apply_fn(spec: Dict, groups: List[List[str]], options: Options,
                     g = g + other[n]
                 grads[n] = g / len(grad_list) if len(grad_list) > 1 else g
         opts = options
-        if coef is not None:     # the global norm's factor (of value-clipped gradients)
-            grads = {n: g * coef for n, g in
-                     clip_values(grads, options.max_grad_value).items()}
+        if coef is not None:
             opts = dataclasses.replace(options, max_grad_norm=None, max_grad_value=None)
         names = set(params)
         sub = [[n for n in g if n in names] for g in groups]
-        return scaled_update(options, scaler, params, states, grads, lambda gs:
-                             clip_and_update(dict(spec, groups=hyper), sub, opts, params,
-                                             gs, states, lrs))
+
+        def update(gs):     # on unscaled gradients: clipped by the global norm's factor
+            if coef is not None:
+                gs = {n: g * coef for n, g in clip_values(gs, options.max_grad_value).items()}
+            return clip_and_update(dict(spec, groups=hyper), sub, opts, params, gs, states,
+                                   lrs)
+        return scaled_update(options, scaler, params, states, grads, update, found)
     return apply
 
 

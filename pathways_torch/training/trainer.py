@@ -157,12 +157,6 @@ class Trainer:
                 f"{', '.join(type(o).__name__ for o in fopt.members(optimizer) if fopt.generic(o))}"
                 " is traced with its Python numbers, which DataParallel, "
                 "FullyShardedDataParallel and TensorParallel follow")
-        if isinstance(parallelism, Pipeline) and scales:
-            raise PathwaysError(
-                "precision='fp16' (loss scaling) runs with DataParallel, FSDP, "
-                "TensorParallel and MultiIsland; a Pipeline step updates each stage in "
-                "its own program, which would each have to agree to skip: use "
-                "precision='bf16', which needs no loss scaling")
         if scales and self._book is not None:
             raise PathwaysError(
                 "precision='fp16' (loss scaling) runs torch.optim's optimizers; "
@@ -222,9 +216,9 @@ class Trainer:
                     if isinstance(v, torch.Tensor) and v.dim() == 0:
                         self._book.group_tensors[(gi, k)] = put(v.detach().clone(),
                                                                 self.slices[0], P())
-        # precision="fp16": the loss scale and growth tracker (scaling.py), with each
-        # replica (MultiIsland: one per island, all updated alike)
-        self._scalers: List[Dict[str, Array]] = [{} for _ in homes]
+        # precision="fp16": the loss scale and growth tracker (scaling.py), a copy on
+        # each slice that updates (an island's replica, a pipeline stage), all alike
+        self._scalers: List[Dict[str, Array]] = [{} for _ in self._scaler_slices()]
         if scales:
             self._put_scalers(scaling.initial(scaler))
         self.micro = 0                                # micro-steps since the last update
@@ -374,11 +368,19 @@ class Trainer:
         """The first replica's loss scale and growth tracker ({} without scaling)."""
         return self._scalers[0]
 
-    def _put_scalers(self, values: Dict[str, torch.Tensor]) -> None:
-        """The loss scale and growth tracker ``values`` with every replica."""
-        self._scalers = [{k: put(t, self.slices[r] if isinstance(
-            self.parallelism, MultiIsland) else self.slices[0], P())
-            for k, t in values.items()} for r in range(len(self._homes))]
+    def _scaler_slices(self) -> list:
+        """Where a copy of the loss scale lives: with each island's replica, each
+        pipeline stage, or the Trainer's one slice."""
+        if isinstance(self.parallelism, (MultiIsland, Pipeline)):
+            return list(self.slices)
+        return [self.slices[0]]
+
+    def _put_scalers(self, values: Dict[str, Any]) -> None:
+        """The loss scale and growth tracker ``values`` (tensors, or the first copy's
+        Arrays) on every slice that holds a copy."""
+        self._scalers = [{k: t if isinstance(t, Array) and t.slice is s else
+                          t.to(s, P()) if isinstance(t, Array) else put(t, s, P())
+                          for k, t in values.items()} for s in self._scaler_slices()]
 
     def _store_created(self, r: int, created: Dict[str, Dict[str, Array]]) -> None:
         found = created.pop(FOUND_INF, None)
@@ -783,6 +785,8 @@ class Trainer:
                 self._scalers[r] = {k: got[f"scaler.{k}"] for k in self._scaler}
         if self._scaler and "scaler.scale" not in saved:    # saved without loss scaling
             self._put_scalers(scaling.initial(self._grad_scaler))
+        elif self._scaler and isinstance(self.parallelism, Pipeline):
+            self._put_scalers(self._scaler)         # the first stage's, to every stage
         self.micro = int(side.get("micro", 0))
         for g, lr in zip(self.optimizer.param_groups, side.get("lrs", ())):
             g["lr"] = lr                      # what the scheduler had written
