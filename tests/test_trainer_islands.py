@@ -116,6 +116,33 @@ def test_multi_island_takes_weights_loaded_and_a_group_added_after_building(isla
         assert torch.equal(tr.replicas[0][n].torch(), tr.replicas[1][n].torch()), n
 
 
+def test_multi_island_ema_equals_update_parameters(islands):
+    """``ema=`` under MultiIsland: the first island's replica (every island's is equal)
+    is averaged on its island after every update, as ``update_parameters`` does on the
+    whole batch's model (before stop 39, refused)."""
+    from torch.optim import swa_utils as swa
+    model, data = deep_model(), make_data(4, batch=8, seed=5)
+    ref = copy.deepcopy(model)
+    kw = dict(multi_avg_fn=swa.get_ema_multi_avg_fn(0.9))
+    ref_opt, want = OPTIMIZERS["adamw"](ref.parameters()), swa.AveragedModel(ref, **kw)
+    for x, y in data:
+        ref_opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        ref_opt.step()
+        want.update_parameters(ref)
+    ema = swa.AveragedModel(model, **kw)
+    tr = pw.Trainer(model, OPTIMIZERS["adamw"](model.parameters()), loss_fn,
+                    parallelism=pw.MultiIsland(islands, axis="data"), ema=ema)
+    for x, y in data:
+        tr.step(x, y)
+    assert tr._synced != tr._version            # the weights never came back
+    got = ema.state_dict()
+    for k, v in want.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    assert int(ema.n_averaged) == 4
+
+
 @pytest.mark.parametrize("opt", ["adam", "sgd_dampened"])
 def test_multi_island_fp16_loss_scaling_equals_torch_gradscaler(islands, tmp_path, opt):
     """``precision="fp16"`` over two islands: each island scales its loss with its own

@@ -34,7 +34,6 @@ import torch
 from ..client.array import Array, put
 from ..client.program import program
 from ..errors import PathwaysError
-from ..parallel.strategies import MultiIsland, Pipeline
 from . import reads
 
 
@@ -84,11 +83,6 @@ class Averaged:
                 f"ema= takes a torch.optim.swa_utils.AveragedModel of the model, got "
                 f"{type(averaged).__name__}: build it as AveragedModel(model, "
                 "multi_avg_fn=get_ema_multi_avg_fn(0.999))")
-        if isinstance(trainer.parallelism, (Pipeline, MultiIsland)):
-            raise PathwaysError(
-                f"ema= runs with DataParallel, FullyShardedDataParallel and "
-                f"TensorParallel; under {type(trainer.parallelism).__name__} update it "
-                "yourself (ema.update_parameters(model) fetches the weights)")
         self.trainer = weakref.ref(trainer)
         self.averaged = averaged
         own = dict(averaged.module.named_parameters())
@@ -135,8 +129,14 @@ class Averaged:
             self._programs[first] = program(
                 _make_update(a.avg_fn, a.multi_avg_fn, first),
                 name=f"ema_update_{type(tr.model).__name__}")
-        cur = {n: held[n] for n in self.names}
-        self._programs[first](self.arrays, cur, torch.tensor(self.n))
+        # one call per slice that holds weights: a pipeline stage's beside it (under
+        # MultiIsland the first island's replica, which every island's equals)
+        by_slice: Dict[int, List[str]] = {}
+        for n in self.names:
+            by_slice.setdefault(id(self.arrays[n].slice), []).append(n)
+        for names in by_slice.values():
+            self._programs[first]({n: self.arrays[n] for n in names},
+                                  {n: held[n] for n in names}, torch.tensor(self.n))
         self.n += 1
         self._version += 1
 
