@@ -116,6 +116,39 @@ def test_multi_island_takes_weights_loaded_and_a_group_added_after_building(isla
         assert torch.equal(tr.replicas[0][n].torch(), tr.replicas[1][n].torch()), n
 
 
+def test_multi_island_clipping_and_its_grad_norm_equal_torch(islands):
+    """``max_grad_norm`` and ``max_grad_value`` under MultiIsland clip the mean of the
+    islands' gradients, as torch clips the whole batch's; ``trainer.grad_norm`` is the
+    norm ``clip_grad_norm_`` returns."""
+    model, data = deep_model(), make_data(4, batch=8, seed=9)
+    ref = copy.deepcopy(model)
+    # SGD: Adam turns the rounding of a near-zero mean gradient into a whole step
+    ref_opt, want, norms = OPTIMIZERS["sgd_momentum"](ref.parameters()), [], []
+    for x, y in data:
+        ref_opt.zero_grad()
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 0.02)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
+        ref_opt.step()
+        want.append(loss.item())
+    assert min(norms) > 0.05, norms                     # the clipping is not idle
+    tr = pw.Trainer(model, OPTIMIZERS["sgd_momentum"](model.parameters()), loss_fn,
+                    parallelism=pw.MultiIsland(islands, axis="data"), max_grad_norm=0.05,
+                    max_grad_value=0.02)
+    got, got_norms = [], []
+    for x, y in data:
+        got.append(float(tr.step(x, y)))
+        got_norms.append(float(tr.grad_norm))
+    assert_losses_match(got, want)
+    torch.testing.assert_close(torch.tensor(got_norms), torch.tensor(norms), rtol=1e-5,
+                               atol=1e-6)
+    tr.sync_to()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_multi_island_ema_equals_update_parameters(islands):
     """``ema=`` under MultiIsland: the first island's replica (every island's is equal)
     is averaged on its island after every update, as ``update_parameters`` does on the

@@ -19,6 +19,7 @@ slices for the pipeline.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -490,13 +491,40 @@ def test_max_grad_norm_equals_clip_grad_norm(s2, pipe_slices, strat):
     kw = clip_kw(strat, s2, pipe_slices)
     tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy,
                     max_grad_norm=MAX_NORM, **kw)
-    got = floats([tr.step(x, y) for x, y in data])
+    assert tr.grad_norm is None                         # no update yet
+    got, got_norms = [], []
+    for x, y in data:
+        got.append(float(tr.step(x, y)))
+        got_norms.append(float(tr.grad_norm))
     want, norms = torch_train(ref, make_opt(ref.parameters()), data, clip=MAX_NORM)
     assert min(norms) > 2 * MAX_NORM, norms            # clipping happens at every step
     assert_losses(got, want)
+    # trainer.grad_norm: what clip_grad_norm_ returned, before clipping (stop 39)
+    assert_losses(got_norms, norms)
     assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
     free, _ = torch_train(unclipped, make_opt(unclipped.parameters()), data)
     assert_differ(got, free)
+
+
+def test_grad_norm_logged_without_clipping(s2):
+    """``max_grad_norm=float("inf")`` measures the norm and scales nothing, as
+    ``clip_grad_norm_(params, float("inf"))`` does: the losses are those of no
+    clipping, bit for bit; without max_grad_norm there is no norm."""
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)
+    model, data = clip_model(), batches(3, batch=8, seed=3)
+    ref, plain = copy.deepcopy(model), copy.deepcopy(model)
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, slice=s2,
+                    max_grad_norm=float("inf"))
+    other = pw.Trainer(plain, make_opt(plain.parameters()), F.cross_entropy, slice=s2)
+    got, got_norms, free = [], [], []
+    for x, y in data:
+        got.append(float(tr.step(x, y)))
+        got_norms.append(float(tr.grad_norm))
+        free.append(float(other.step(x, y)))
+    assert got == free and other.grad_norm is None
+    want, norms = torch_train(ref, make_opt(ref.parameters()), data, clip=float("inf"))
+    assert_losses(got, want)
+    assert_losses(got_norms, norms)
 
 
 @pytest.mark.parametrize("strat,norm", [("dp", None), ("fsdp", MAX_NORM), ("pipeline", None),
@@ -510,9 +538,15 @@ def test_max_grad_value_equals_clip_grad_value(s2, pipe_slices, strat, norm):
     kw = clip_kw(strat, s2, pipe_slices)
     tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy,
                     max_grad_value=0.05, max_grad_norm=norm, **kw)
-    got = floats([tr.step(x, y) for x, y in data])
-    want, _ = torch_train(ref, make_opt(ref.parameters()), data, clip=norm, clip_value=0.05)
+    got, got_norms = [], []
+    for x, y in data:
+        got.append(float(tr.step(x, y)))
+        got_norms.append(None if norm is None else float(tr.grad_norm))
+    want, norms = torch_train(ref, make_opt(ref.parameters()), data, clip=norm,
+                              clip_value=0.05)
     assert_losses(got, want)
+    if norm is not None:                # the norm of the clamped gradients, as torch's
+        assert_losses(got_norms, norms)
     assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
     free, _ = torch_train(unclipped, make_opt(unclipped.parameters()), data, clip=norm)
     assert_differ(got, free)
@@ -841,15 +875,19 @@ def test_pipeline_fp16_with_loss_scaling_equals_torch_gradscaler(pipe_slices, ca
                           precision="fp16", max_grad_norm=clip,
                           scaler=torch.amp.GradScaler("cpu", growth_interval=2))
     tr = pipeline_trainer(model)
-    got, scales = [], []
+    got, scales, norms = [], [], []
     for x, y in data:
         got.append(float(tr.step(x, y)))
         scales.append(tr.loss_scale)
+        norms.append(None if clip is None else float(tr.grad_norm))
     print(f"pipeline fp16 {case}: losses {got} torch {want}; scales {scales} "
           f"torch {want_scales}")
     assert scales == want_scales
     seq = [65536.0] + scales
     assert any(b < a for a, b in zip(seq, seq[1:])) and any(b > a for a, b in zip(seq, seq[1:]))
+    if clip is not None:    # the norm of the unscaled gradients: not finite on overflow
+        skipped = [b < a for a, b in zip(seq, seq[1:])]
+        assert [not math.isfinite(n) for n in norms] == skipped, norms
     # both stages' copies of the scale stay equal
     assert [float(sc["scale"].torch()) for sc in tr._scalers] == [scales[-1]] * 2
     assert_losses(got, want, rtol=FP16_RTOL, atol=1e-4)

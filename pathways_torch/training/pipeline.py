@@ -81,7 +81,10 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
             parts = [check(acc[k], scalers[k]) for k in range(len(stages))]
             combine = trainer._program("grad_combine", _make_combine(options))
             both = combine([_moved(p, slices[0]) for p in parts])
-            verdicts = [_moved(both, s) for s in slices]
+            verdicts = [_moved({k: a for k, a in both.items() if k != "norm"}, s)
+                        for s in slices]
+            if "norm" in both:
+                trainer._grad_norm = both["norm"]
         created = []
         for k in range(len(stages)):
             st = {n: trainer.states[0][n] for n in params[k]}
@@ -116,7 +119,8 @@ def _make_combine(options):
     def grad_combine(parts):
         out = {}
         if options.max_grad_norm is not None:
-            out["coef"] = clip_coef([p["sq"] for p in parts], float(options.max_grad_norm))
+            out["norm"] = torch.stack([p["sq"] for p in parts]).sum().sqrt()
+            out["coef"] = clip_coef(out["norm"], float(options.max_grad_norm))
         if options.scaling:
             out["found"] = torch.stack([p["found"] for p in parts]).amax()
         return out

@@ -221,6 +221,8 @@ def gradients(loss: torch.Tensor, params: Dict[str, torch.Tensor]) -> Dict[str, 
 GROUP_TENSORS = "pw.groups"
 #: in what a loss-scaled step created, whether its update was skipped (1.0) or not
 FOUND_INF = "pw.found_inf"
+#: in what a clipping step created, the total norm clip_grad_norm_ returned
+GRAD_NORM = "pw.grad_norm"
 
 
 def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, params,
@@ -228,21 +230,23 @@ def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, param
     """``clip_grad_value_`` and ``clip_grad_norm_`` (when asked, in that order) and the
     optimizer step, in place; returns the state the step created (absent from
     ``states``) or replaced (a generic step may assign a new tensor), per parameter
-    name."""
+    name, and under ``GRAD_NORM`` the norm the clipping measured."""
+    created = {}
     with torch.no_grad():
         grads = clip_values(grads, options.max_grad_value)
         if options.max_grad_norm is not None:
             with_grad = [params[n] for n in params if grads.get(n) is not None]
             for n in params:
                 params[n].grad = grads.get(n)
-            torch.nn.utils.clip_grad_norm_(with_grad, options.max_grad_norm, foreach=False)
+            norm = torch.nn.utils.clip_grad_norm_(with_grad, options.max_grad_norm,
+                                                  foreach=False)
+            created[GRAD_NORM] = {"norm": norm}
             grads = {n: params[n].grad for n in params}
             for n in params:
                 params[n].grad = None
     after, group_tensors = fopt.update(spec, [[params[n] for n in g] for g in groups],
                         [[grads.get(n) for n in g] for g in groups],
                         [[states[n] for n in g] for g in groups], lrs, groups)
-    created = {}
     if group_tensors:
         created[GROUP_TENSORS] = {f"{gi}:{k}": t for (gi, k), t in group_tensors.items()}
     for g, sts in zip(groups, after):
@@ -271,7 +275,7 @@ def scaled_update(options: Options, scaler, params, states, grads,
     created = update(grads)
     scaling.skip_if(found, before, params, states)
     scaling.update_scale(scaler, found, options.scaling)
-    if created:
+    if set(created) - {GRAD_NORM}:      # state the update made (a read of found decides)
         created[FOUND_INF] = {"found": found}
     return created
 
@@ -419,9 +423,8 @@ def grad_square_sum(grads: Dict[str, torch.Tensor], max_value: Optional[float] =
                         .pow(2).sum() for g in grads.values()]).sum()
 
 
-def clip_coef(square_sums: List[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_``'s factor from the parts' square sums."""
-    total = torch.stack(square_sums).sum().sqrt()
+def clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_``'s factor for the total norm ``total``."""
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 

@@ -51,8 +51,8 @@ from .elastic import Restart
 from .follow import _flags, modes as _modes
 from .islands import multi_island_step
 from .pipeline import _split_stages, pipeline_eval, pipeline_step
-from .programs import (FOUND_INF, GROUP_TENSORS, Options, make_eval_fn, make_predict_fn,
-                       make_step_fn, precision_mode)
+from .programs import (FOUND_INF, GRAD_NORM, GROUP_TENSORS, Options, make_eval_fn,
+                       make_predict_fn, make_step_fn, precision_mode)
 
 
 class Trainer:
@@ -68,7 +68,8 @@ class Trainer:
     has one).
 
     ``max_grad_norm`` clips the global gradient norm before each update (as
-    ``torch.nn.utils.clip_grad_norm_``), ``max_grad_value`` each gradient's elements
+    ``torch.nn.utils.clip_grad_norm_``, whose returned norm ``grad_norm`` gives for
+    logging), ``max_grad_value`` each gradient's elements
     (as ``clip_grad_value_``, before the norm when both are given); ``accumulate=k`` makes every k calls of
     ``step`` one update (equal to one step on the k micro-batches concatenated);
     ``precision="bf16"`` runs forward and loss under ``torch.autocast("cpu",
@@ -223,6 +224,7 @@ class Trainer:
             self._put_scalers(scaling.initial(scaler))
         self.micro = 0                                # micro-steps since the last update
         self._warned_fp16 = False       # a step under float16 autocast without scaling
+        self._grad_norm: Optional[Array] = None     # of the last update (max_grad_norm)
         self.seeds = SeedStream.of_torch() if seed is None else SeedStream(seed)
         self._programs: Dict[str, Program] = {}
         self._modules = list(self.model.modules())
@@ -383,6 +385,9 @@ class Trainer:
                           for k, t in values.items()} for s in self._scaler_slices()]
 
     def _store_created(self, r: int, created: Dict[str, Dict[str, Array]]) -> None:
+        norm = created.pop(GRAD_NORM, None)
+        if norm is not None and r == 0:
+            self._grad_norm = norm["norm"]
         found = created.pop(FOUND_INF, None)
         if found is not None and float(found["found"].torch()):
             return      # a skipped first update: torch's optimizer made no state either
@@ -566,6 +571,23 @@ class Trainer:
             first = self.slices[0]
             self._book.group_tensors = {gk: put(t, first, P())
                                         for gk, t in sd.get("group_tensors", {}).items()}
+
+    @property
+    def grad_norm(self) -> Optional[Array]:
+        """The total gradient norm of the last update, before clipping, as
+        ``clip_grad_norm_`` returns it for logging (a 0-d ``pw.Array``: reading it waits
+        for that step only); None before the first update or without ``max_grad_norm``.
+
+        It is the norm the clipping measured: of the whole model (every FSDP shard,
+        every pipeline stage), after ``max_grad_value``, of the unscaled gradients under
+        ``precision="fp16"`` (inf or nan on an update skipped for overflow). To log it
+        without clipping, pass ``max_grad_norm=float("inf")``, which scales nothing::
+
+            tr = pw.Trainer(model, opt, loss_fn, slice=s, max_grad_norm=1.0)
+            loss = tr.step(x, y)
+            print(float(loss), float(tr.grad_norm))
+        """
+        return self._grad_norm
 
     @property
     def loss_scale(self) -> Optional[float]:
