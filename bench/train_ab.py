@@ -9,7 +9,7 @@ first step's latency (trace + compile) of each. The baseline is checked out with
 ``git worktree`` into a temporary directory and runs on this tree's venv.
 
     python bench/train_ab.py --baseline f28f2ea [--rounds 5] [--steps 20]
-        [--strategy dp|islands|pipeline|pipeline4]
+        [--strategy dp|islands|pipeline|pipeline4] [--max-grad-norm 1.0]
 """
 
 from __future__ import annotations
@@ -36,22 +36,23 @@ spec = importlib.util.spec_from_file_location("rc", pathlib.Path(sys.argv[2]) / 
 rc = importlib.util.module_from_spec(spec); spec.loader.exec_module(rc)
 batch, warmup, steps = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 strategy = sys.argv[6]
+kw = {"max_grad_norm": float(sys.argv[7])} if sys.argv[7] != "none" else {}
 pw.init(devices_per_host=4) if strategy != "islands" else pw.init(islands=2, devices_per_host=2)
 torch.manual_seed(0)
 model = rc.gpt(seq=64)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
 if strategy == "dp":
     tr = pw.Trainer(model, opt, rc.lm_loss, slice=pw.slice((4,), axis_names=("data",)),
-                    parallelism=pw.DataParallel("data"))
+                    parallelism=pw.DataParallel("data"), **kw)
 elif strategy == "islands":
     par = pw.MultiIsland([pw.slice((2,), axis_names=("data",), island=i) for i in range(2)], "data")
-    tr = pw.Trainer(model, opt, rc.lm_loss, parallelism=par)
+    tr = pw.Trainer(model, opt, rc.lm_loss, parallelism=par, **kw)
 elif strategy == "pipeline4":
     par = pw.Pipeline(4, 8, [pw.slice((1,)) for _ in range(4)])
-    tr = pw.Trainer(model, opt, rc.lm_loss, parallelism=par)
+    tr = pw.Trainer(model, opt, rc.lm_loss, parallelism=par, **kw)
 else:
     par = pw.Pipeline(2, 4, [pw.slice((2,)), pw.slice((2,))])
-    tr = pw.Trainer(model, opt, rc.lm_loss, parallelism=par)
+    tr = pw.Trainer(model, opt, rc.lm_loss, parallelism=par, **kw)
 batches = rc.text_batches(rc.stdlib_text(), batch, 64)
 t0 = time.perf_counter()
 first = float(tr.step(*next(batches)))
@@ -74,7 +75,8 @@ def run(tree: pathlib.Path, batch: int, args) -> dict:
     env = dict(os.environ, PJRT_DEVICE="CPU", PATHWAYS_PROGRESS="0")
     env.pop("PYTHONPATH", None)
     out = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(ROOT), str(batch),
-                          str(args.warmup), str(args.steps), args.strategy], env=env,
+                          str(args.warmup), str(args.steps), args.strategy,
+                          str(args.max_grad_norm or "none")], env=env,
                          capture_output=True,
                          text=True, timeout=900, cwd=str(tree))
     if out.returncode:
@@ -89,6 +91,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batches", default="64,16")
+    ap.add_argument("--max-grad-norm", type=float, default=None,
+                    help="clip the gradient norm (both sides)")
     ap.add_argument("--strategy", choices=("dp", "islands", "pipeline", "pipeline4"),
                     default="dp",
                     help="dp: DataParallel on 4 devices; islands: MultiIsland over 2 "
@@ -129,7 +133,7 @@ def main() -> None:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
                        capture_output=True)
     emit({"benchmark": "train_ab", "baseline": args.baseline, "rounds": args.rounds,
-          "steps": args.steps, "strategy": args.strategy,
+          "steps": args.steps, "strategy": args.strategy, "max_grad_norm": args.max_grad_norm,
           "model": "gpt d128 L4 seq64, " + {"dp": "DataParallel on 4 devices",
                                             "islands": "MultiIsland over 2 islands of 2",
                                             "pipeline": "Pipeline 2 stages x 2 devices, "
