@@ -602,12 +602,18 @@ def test_accumulate_with_clipping(s2):
     ref = copy.deepcopy(model)
     tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy, slice=s2,
                     accumulate=k, max_grad_norm=MAX_NORM)
-    for x, y in micro:
+    got_norms = []
+    for i, (x, y) in enumerate(micro):
         tr.step(x, y)
+        if i % k == k - 1:
+            got_norms.append(float(tr.grad_norm))    # the norm at each update
+        elif i == 0:
+            assert tr.grad_norm is None             # a micro-step updates nothing
     whole = [(torch.cat([micro[i][0], micro[i + 1][0]]),
               torch.cat([micro[i][1], micro[i + 1][1]])) for i in range(0, len(micro), k)]
     _, norms = torch_train(ref, make_opt(ref.parameters()), whole, clip=MAX_NORM)
     assert min(norms) > 2 * MAX_NORM
+    assert_losses(got_norms, norms)
     assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
 
 

@@ -148,7 +148,28 @@ def _split_stages(model: torch.nn.Module, pipe: Pipeline):
         raise PathwaysError(f"{len(bounds)} stages need {len(bounds)} slices, got "
                             f"{len(pipe.slices)}")
     names = list(model._modules)
-    return [(model[a:b], names[a:b]) for a, b in bounds]
+    stages = [(model[a:b], names[a:b]) for a, b in bounds]
+    _refuse_shared(model, stages)
+    return stages
+
+
+def _refuse_shared(model: torch.nn.Module, stages) -> None:
+    """A parameter or buffer two stages hold (a language model's tied input and output
+    embeddings) would have two homes, each updated with half its gradient: refused
+    with what to do."""
+    owner: Dict[int, tuple] = {}
+    for k, (mod, _) in enumerate(stages):
+        for n, t in list(mod.named_parameters(remove_duplicate=False)) + \
+                list(mod.named_buffers(remove_duplicate=False)):
+            first = owner.setdefault(id(t), (k, n))
+            if first[0] != k:
+                raise PathwaysError(
+                    f"{first[1]!r} (stage {first[0]}) and {n!r} (stage {k}) are one "
+                    "tensor, shared by two pipeline stages (tied weights); pw.Pipeline "
+                    "keeps each parameter on one stage's slice. Untie them (give the "
+                    "second layer a copy: nn.Parameter(t.detach().clone())), or choose "
+                    "stage bounds (stages=[(0, a), (a, b), ...]) that keep both layers "
+                    "in one stage")
 
 
 def _stage(mod, params, fixed):
