@@ -913,6 +913,73 @@ def test_pipeline_fp16_with_loss_scaling_equals_torch_gradscaler(pipe_slices, ca
     assert [float(sc["scale"].torch()) for sc in again._scalers] == [scales[-1]] * 2
 
 
+def tied_lm():
+    """A language model's shape: input and output embeddings are one tensor."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Tanh(),
+                      nn.Linear(8, 16, bias=False))
+    m[3].weight = m[0].weight
+    return m
+
+
+@pytest.mark.parametrize("precision", [None, "fp16"])
+def test_pipeline_with_tied_embeddings_equals_torch(pipe_slices, precision):
+    """Tied input and output embeddings in two stages (GPT-2's): the first stage holds
+    the tensor and lends the last a copy each step; the copy's gradient comes back and
+    is added to the first stage's before clipping (the norm counts it once) and the
+    update, as torch's one ``.grad``. The last stage then has no parameter of its own
+    (and, under fp16, only its copy of the loss scale to update). The tie survives
+    ``sync_to``. Before stop 39, a PlacementError ("got no pw.Array input")."""
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randint(0, 16, (8,), generator=g), torch.randint(0, 16, (8,), generator=g))
+            for _ in range(4)]
+    model, ref = tied_lm(), tied_lm()
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9)
+    tr = pw.Trainer(model, make_opt(model.parameters()), F.cross_entropy,
+                    parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices),
+                    max_grad_norm=0.5, precision=precision)
+    got, got_norms = [], []
+    for x, y in data:
+        got.append(float(tr.step(x, y)))
+        got_norms.append(float(tr.grad_norm))
+    ref_opt, want, norms = make_opt(ref.parameters()), [], []
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    for x, y in data:
+        ref_opt.zero_grad()
+        losses = []
+        for part in (slice(0, 4), slice(4, 8)):       # the pipeline's micro-batches
+            with torch.autocast("cpu", dtype=torch.float16, enabled=precision == "fp16"):
+                loss = F.cross_entropy(ref(x[part]), y[part])
+            scaler.scale(loss / 2).backward()
+            losses.append(loss.item())
+        scaler.unscale_(ref_opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)))
+        scaler.step(ref_opt)
+        scaler.update()
+        want.append(sum(losses) / 2)
+    finite = [n for n in norms if math.isfinite(n)]
+    assert min(finite) > 0.5, norms
+    tol = TOL if precision is None else FP16_RTOL
+    assert_losses(got, want, rtol=tol, atol=tol)
+    assert [math.isfinite(n) for n in got_norms] == [math.isfinite(n) for n in norms]
+    assert_losses([n for n in got_norms if math.isfinite(n)], finite, rtol=tol, atol=tol)
+    if precision == "fp16":     # the last stage (no parameters) kept its copy up to date
+        assert len(finite) < len(norms)             # an update was skipped
+        assert [float(sc["scale"].torch()) for sc in tr._scalers] == [scaler.get_scale()] * 2
+    tr.sync_to()
+    assert model[3].weight is model[0].weight
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=tol, atol=tol,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+    x = data[0][0]
+    ref.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16,
+                                         enabled=precision == "fp16"):
+        ref_out = ref(x)
+    torch.testing.assert_close(tr.predict(x).torch().float(), ref_out.float(), rtol=tol,
+                               atol=tol)
+
+
 @pytest.mark.parametrize("strat", ["dp", "pipeline"])
 def test_freezing_and_unfreezing_between_steps_equals_torch(s2, pipe_slices, strat):
     """Gradual unfreezing, as fine-tuning scripts do it: requires_grad changed between

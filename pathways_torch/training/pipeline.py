@@ -8,7 +8,7 @@ activations their forwards saved (``_Stash``) instead of recomputing them.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,11 +29,16 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
     xs, ys = _split(inputs, m, "microbatches"), _split(targets, m, "microbatches")
     stages, slices = trainer._stages, trainer.slices
     last = len(stages) - 1
-    params = [{n: trainer.replicas[0][n] for n in trainer.replicas[0]
-               if n.split(".", 1)[0] in names} for _, names in stages]
-    fixed = [{n: t for n, t in trainer.fixed[0].items() if n.split(".", 1)[0] in names}
-             for _, names in stages]
+    own = _own_tensors(trainer, trainer.replicas[0])
+    fixed = _own_tensors(trainer, trainer.fixed[0])
     options = trainer.options
+    hooked = set(grad_hooks(trainer.model)) & {c for tie in trainer._ties
+                                               for c in tie.values()}
+    if hooked:
+        raise PathwaysError(
+            f"{sorted(hooked)[0]!r} is shared by two pipeline stages and has a hook "
+            "(register_hook), which torch runs once on its whole gradient; each stage "
+            "computes a part of it. Remove the hook or untie the parameter")
     fwd = [trainer._program(f"stage{k}_fwd", _make_stage_fwd(mod, k == 0, options))
            for k, (mod, _) in enumerate(stages)]
     bwd = [trainer._program(f"stage{k}_bwd", _make_stage_bwd(mod, k == 0, trainer.model,
@@ -48,6 +53,10 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
                                                          trainer.options))
     mean_prog = trainer._program("mean", lambda ls: torch.stack(ls).sum() / len(ls))
     with graph():
+        # a parameter shared by two stages (tied embeddings) lives on its home stage;
+        # each other stage that uses it gets a copy for this step
+        params = [dict(p) for p in own]
+        _lend_tied(trainer, params, fixed)
         # GPipe: all forwards, microbatch by microbatch through the stages ...
         acts = [[None] * (len(stages)) for _ in range(m)]      # stage inputs
         saved = [[None] * (len(stages)) for _ in range(m)]     # what backward needs
@@ -72,30 +81,81 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
                 gx, acc[k] = bwd[k](params[k], fixed[k], acts[j][k], saved[j][k], gy,
                                     acc[k] if acc[k] is not None else {})
                 saved[j][k] = None
+        _gather_tied(trainer, acc)
         verdicts = [{}] * len(stages)
         if options.max_grad_norm is not None or options.scaling:
             # clip_grad_norm_'s norm and GradScaler's found_inf are over the whole model:
             # every stage's part meets on the first stage's slice, and the clipping
             # factor and whether to skip go back to each stage
             check = trainer._program("grad_check", _make_grad_check(options))
-            parts = [check(acc[k], scalers[k]) for k in range(len(stages))]
+            parts = [check(acc[k], scalers[k]) for k in range(len(stages)) if acc[k]]
             combine = trainer._program("grad_combine", _make_combine(options))
             both = combine([_moved(p, slices[0]) for p in parts])
             verdicts = [_moved({k: a for k, a in both.items() if k != "norm"}, s)
-                        for s in slices]
+                        if own[k] or options.scaling else {} for k, s in enumerate(slices)]
             if "norm" in both:
                 trainer._grad_norm = both["norm"]
         created = []
         for k in range(len(stages)):
-            st = {n: trainer.states[0][n] for n in params[k]}
+            if not own[k]:
+                # a stage with no parameters of its own (activations only, or only a
+                # tied one) updates nothing but its copy of the loss scale
+                if options.scaling:
+                    trainer._program("loss_scale", _make_scale_update(options))(
+                        scalers[k], verdicts[k]["found"])
+                continue
+            st = {n: trainer.states[0][n] for n in own[k]}
             # parameters and state are updated in place (written back to their Arrays)
-            created.append(apply_prog(params[k], st, lrs, [acc[k]], hyper,
+            created.append(apply_prog(own[k], st, lrs, [acc[k]], hyper,
                                       verdicts[k].get("coef"), scalers[k],
                                       verdicts[k].get("found")))
         loss = mean_prog(losses)
     for c in created:       # (under loss scaling, kept if the update was not skipped:
         trainer._store_created(0, c)        # a read, after the graph is submitted)
     return loss
+
+
+def _own_tensors(trainer, tensors: Dict[str, Array]) -> List[Dict[str, Array]]:
+    """``tensors`` (the model's parameters or buffers, by name) split by stage."""
+    return [{n: t for n, t in tensors.items() if n.split(".", 1)[0] in names}
+            for _, names in trainer._stages]
+
+
+def _lend_tied(trainer, params: List[dict], fixed: List[dict]) -> None:
+    """Each stage's copies of the tied parameters it uses but another stage holds,
+    under the stage's own name for them (frozen ones beside the buffers)."""
+    for k, tie in enumerate(trainer._ties):
+        for alias, canonical in tie.items():
+            if canonical in trainer.replicas[0]:
+                params[k][alias] = trainer.replicas[0][canonical].to(trainer.slices[k])
+            else:
+                fixed[k][alias] = trainer.fixed[0][canonical].to(trainer.slices[k])
+
+
+def _gather_tied(trainer, acc: List[dict]) -> None:
+    """The gradients of the lent copies, added to their parameter's on its home stage
+    (then clipped, checked and applied once, as torch's one ``.grad``)."""
+    parts: Dict[str, list] = {}
+    for k, tie in enumerate(trainer._ties):
+        for alias in tie:
+            if alias in acc[k]:
+                acc[k] = dict(acc[k])
+                parts.setdefault(tie[alias], []).append(acc[k].pop(alias))
+    if not parts:
+        return
+    add = trainer._program("tied_grads", lambda g, others: g + sum(others))
+    for canonical, grads in parts.items():
+        h = trainer._tie_home[canonical]
+        acc[h] = dict(acc[h])
+        acc[h][canonical] = add(acc[h][canonical],
+                                [g.to(trainer.slices[h]) for g in grads])
+
+
+def _make_scale_update(options):
+    def loss_scale(scaler, found):
+        scaling.update_scale(scaler, found, options.scaling)
+        return found        # (a program returns something)
+    return loss_scale
 
 
 def _make_grad_check(options):
@@ -148,28 +208,35 @@ def _split_stages(model: torch.nn.Module, pipe: Pipeline):
         raise PathwaysError(f"{len(bounds)} stages need {len(bounds)} slices, got "
                             f"{len(pipe.slices)}")
     names = list(model._modules)
-    stages = [(model[a:b], names[a:b]) for a, b in bounds]
-    _refuse_shared(model, stages)
-    return stages
+    return [(model[a:b], names[a:b]) for a, b in bounds]
 
 
-def _refuse_shared(model: torch.nn.Module, stages) -> None:
-    """A parameter or buffer two stages hold (a language model's tied input and output
-    embeddings) would have two homes, each updated with half its gradient: refused
-    with what to do."""
-    owner: Dict[int, tuple] = {}
+def stage_ties(model: torch.nn.Module, stages) -> Tuple[List[Dict[str, str]],
+                                                        Dict[str, int]]:
+    """The parameters a stage uses that another stage holds (a language model's tied
+    input and output embeddings): per stage, {its name for it: the model's name}, and
+    each such parameter's home stage (the one holding the model's name). A buffer two
+    stages share (two running statistics in one) is refused."""
+    canonical = {id(t): n for n, t in list(model.named_parameters()) +
+                 list(model.named_buffers())}
+    home_of = {n: k for k, (_, names) in enumerate(stages) for n in names}
+    ties: List[Dict[str, str]] = [{} for _ in stages]
+    homes: Dict[str, int] = {}
     for k, (mod, _) in enumerate(stages):
-        for n, t in list(mod.named_parameters(remove_duplicate=False)) + \
-                list(mod.named_buffers(remove_duplicate=False)):
-            first = owner.setdefault(id(t), (k, n))
-            if first[0] != k:
+        for n, t in mod.named_parameters(remove_duplicate=False):
+            c = canonical[id(t)]
+            if home_of[c.split(".", 1)[0]] != k:
+                ties[k][n] = c
+                homes[c] = home_of[c.split(".", 1)[0]]
+        for n, t in mod.named_buffers(remove_duplicate=False):
+            c = canonical[id(t)]
+            if home_of[c.split(".", 1)[0]] != k:
                 raise PathwaysError(
-                    f"{first[1]!r} (stage {first[0]}) and {n!r} (stage {k}) are one "
-                    "tensor, shared by two pipeline stages (tied weights); pw.Pipeline "
-                    "keeps each parameter on one stage's slice. Untie them (give the "
-                    "second layer a copy: nn.Parameter(t.detach().clone())), or choose "
+                    f"buffer {c!r} (stage {home_of[c.split('.', 1)[0]]}) is also {n!r} "
+                    f"(stage {k}): pw.Pipeline keeps a buffer on one stage. Choose "
                     "stage bounds (stages=[(0, a), (a, b), ...]) that keep both layers "
-                    "in one stage")
+                    "in one stage, or give the second layer its own buffer")
+    return ties, homes
 
 
 def _stage(mod, params, fixed):
@@ -296,10 +363,11 @@ def pipeline_eval(trainer, inputs, targets, outputs: bool = False):
     h = _place_batch(inputs, slices[0], None)
     with graph():
         options = trainer.options
+        all_params = _own_tensors(trainer, trainer.replicas[0])
+        all_fixed = _own_tensors(trainer, trainer.fixed[0])
+        _lend_tied(trainer, all_params, all_fixed)
         for k, (mod, names) in enumerate(stages):
-            params = {n: a for n, a in trainer.replicas[0].items()
-                      if n.split(".", 1)[0] in names}
-            fixed = {n: a for n, a in trainer.fixed[0].items() if n.split(".", 1)[0] in names}
+            params, fixed = all_params[k], all_fixed[k]
             h = h if k == 0 else h.to(slices[k])
             final = k == len(stages) - 1
             if final and not outputs:

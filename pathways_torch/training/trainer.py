@@ -50,7 +50,7 @@ from .batches import _place_batch
 from .elastic import Restart
 from .follow import _flags, modes as _modes
 from .islands import multi_island_step
-from .pipeline import _split_stages, pipeline_eval, pipeline_step
+from .pipeline import _split_stages, pipeline_eval, pipeline_step, stage_ties
 from .programs import (FOUND_INF, GRAD_NORM, GROUP_TENSORS, Options, make_eval_fn,
                        make_predict_fn, make_step_fn, precision_mode)
 
@@ -187,8 +187,11 @@ class Trainer:
         self._shapes = {n: tuple(t.shape) for n, t in {**named, **fixed}.items()}
         if isinstance(parallelism, TensorParallel):
             parallelism.check_names(list(self._shapes))
+        self._ties: List[Dict[str, str]] = []        # Pipeline: see pipeline.stage_ties
+        self._tie_home: Dict[str, int] = {}
         if isinstance(parallelism, Pipeline):
             self._stages = _split_stages(model, parallelism)
+            self._ties, self._tie_home = stage_ties(model, self._stages)
         self._place(self.slices)
         homes = self._homes
         self.replicas: List[Dict[str, Array]] = []
