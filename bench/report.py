@@ -1226,12 +1226,36 @@ def ema(rep: Report) -> None:
                 ["ema= over no EMA", spread(res["ema=_over_none"])]]) + "\n")
 
 
+def pipeline_axis(rep: Report) -> None:
+    res = rep.get("pipeline_axis.py")
+    if res is None:
+        return
+
+    def spread(r):
+        return (f"{ratio(r['median'])} ({ratio(r['lo'])}-{ratio(r['hi'])}, "
+                f"{r['rounds']} rounds, {r['spread']})")
+    sps = res["steps_per_s"]
+    rep.add("## Pipeline x data parallelism (Pipeline(axis=))\n",
+            f"The recipes' GPT at batch {res['batch']}, 2 stages on two 2-device slices, "
+            f"{res['microbatches']} micro-batches: each stage's devices computing the whole "
+            "micro-batch (replicated), or splitting it (`axis=\"data\"`), beside "
+            "DataParallel on a 4-device slice (docs/architecture.md, \"Pipeline x data "
+            f"parallelism\"; {source(res, 'pipeline_axis.py')}); no bar.\n",
+            table(["what", "value"], [
+                ["steps/s: replicated / axis= / DataParallel on 4",
+                 f"{num(sps['replicated'])} / {num(sps['axis'])} / {num(sps['dp4'])}"],
+                ["axis= over replicated (speed-up, median of per-round ratios)",
+                 spread(res["axis_speedup_over_replicated"])],
+                ["axis= over DataParallel on 4 (throughput)",
+                 spread(res["axis_over_dp4_throughput"])]]) + "\n")
+
+
 def build(results: dict, img_dir=IMG) -> Report:
     """Every section of the report; ``img_dir=None`` writes no plots."""
     rep = Report(results)
     rep.img_dir = img_dir
     for section in (fig5, fig6, fig7, fig9, training, dcn, bulk, ray_section, runtime, soak,
-                    faults, scale, spanning, optimizers, ema, slurm):
+                    faults, scale, spanning, optimizers, ema, pipeline_axis, slurm):
         section(rep)
     return rep
 

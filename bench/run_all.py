@@ -71,6 +71,10 @@ BENCHES = [
     # An AveragedModel updated on the workers (ema=) against the script's own
     # update_parameters call after each step, and against no EMA (~30 s).
     ("ema.py", ["--rounds", "7"], ["--rounds", "2", "--steps", "5"]),
+    # Pipeline stages on 2-device slices, their micro-batches split (axis=) or not,
+    # beside DataParallel on the same 4 devices (~2 min).
+    ("pipeline_axis.py", ["--rounds", "5", "--steps", "6"],
+     ["--rounds", "1", "--steps", "2"]),
 ]
 
 # Run only where the script exists (benchmarks other work adds): paper Figures 8 and 9.

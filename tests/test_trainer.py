@@ -232,6 +232,39 @@ def test_pipeline_losses_equal_plain_torch(cluster8, stages, microbatches):
             s.release()
 
 
+def test_pipeline_with_data_parallel_stages_equals_plain_torch(cluster8):
+    """``Pipeline(axis="data")`` over 2-device stage slices: each micro-batch is split
+    over the stage's devices, and activations and their gradients cross between stages
+    split the same way (pipeline x data parallelism). Without ``axis`` every device of
+    a stage computed the whole micro-batch: the Trainer now says so. Before stop 39
+    there was no way to split."""
+    slices = [pw.slice((2,), axis_names=("data",)) for _ in range(2)]
+    try:
+        model, data = deep_model(), make_data(6, batch=8, seed=4)
+        ref = copy.deepcopy(model)
+        make_opt = OPTIMIZERS["sgd_momentum"]
+        tr = pw.Trainer(model, make_opt(model.parameters()), loss_fn,
+                        parallelism=pw.Pipeline(2, 2, slices, axis="data"))
+        losses = [float(tr.step(x, y)) for x, y in data]
+        assert_losses_match(losses, torch_losses(ref, make_opt, data))
+        trained = tr.sync_to(copy.deepcopy(model))
+        for (n, a), b in zip(trained.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=n)
+        # the last stage's outputs are split over its devices, as its input was
+        out = tr.predict(data[0][0])
+        assert out.sharding == P("data")
+        ref.eval()
+        torch.testing.assert_close(out.torch(), ref(data[0][0]), rtol=1e-5, atol=1e-5)
+        with pytest.warns(UserWarning, match="each computes the whole micro-batch"):
+            pw.Trainer(model, make_opt(model.parameters()), loss_fn,
+                       parallelism=pw.Pipeline(2, 2, slices))
+        with pytest.raises(pw.PathwaysError, match="a slice with a 'batch' axis"):
+            pw.Pipeline(2, 2, slices, axis="batch")
+    finally:
+        for s in slices:
+            s.release()
+
+
 def test_pipeline_checkpoint_is_written_by_each_stage_slice(cluster8, tmp_path):
     import torch.distributed.checkpoint as dcp
     slices = [pw.slice((1,)) for _ in range(2)]

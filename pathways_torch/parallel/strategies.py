@@ -17,6 +17,7 @@ import dataclasses
 import math
 from typing import Dict, Optional, Sequence
 
+from ..errors import PathwaysError
 from ..sharding import P
 
 
@@ -99,14 +100,31 @@ class Pipeline:
     balanced by layer count), or a list of index ranges ``[(0, 3), (3, 6)]``.
     ``microbatches``: the batch is split into this many; activations and gradients
     move between slices through the dataflow graph; one optimizer step per batch.
+    ``axis``: a mesh axis of the stages' slices over which each micro-batch is split
+    (data parallel inside every stage: pipeline x data parallelism); without it a
+    stage's devices all compute the whole micro-batch.
+
+    Example::
+
+        stages = [pw.slice((2,), axis_names=("data",)) for _ in range(4)]
+        pw.Trainer(model, opt, loss_fn, parallelism=pw.Pipeline(4, 8, stages, axis="data"))
     """
 
     stages: object
     microbatches: int
     slices: tuple
+    axis: Optional[str] = None
 
     def __post_init__(self):
         object.__setattr__(self, "slices", tuple(self.slices))
+        if self.axis is not None:
+            missing = [i for i, s in enumerate(self.slices) if self.axis not in s.axis_names]
+            if missing:
+                raise PathwaysError(
+                    f"Pipeline(axis={self.axis!r}): the slice of stage {missing[0]} has "
+                    f"axes {tuple(self.slices[missing[0]].axis_names)}; give every stage "
+                    f"a slice with a {self.axis!r} axis (pw.slice(shape, "
+                    f"axis_names=({self.axis!r},)))")
 
 
 @dataclasses.dataclass(frozen=True)

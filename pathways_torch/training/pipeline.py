@@ -16,7 +16,8 @@ from ..client.array import Array
 from ..client.graph import graph
 from ..errors import PathwaysError
 from ..parallel.strategies import Pipeline
-from .batches import _place_batch, _split
+from ..sharding import P
+from .batches import _axis_size, _place_batch, _split
 from . import scaling
 from .programs import (alone, autocast, clip_coef, grad_hooks, grad_square_sum,
                        loss_and_rest, make_apply_fn, mode, reparametrized, requires_grad,
@@ -28,6 +29,7 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
     m = trainer.parallelism.microbatches
     xs, ys = _split(inputs, m, "microbatches"), _split(targets, m, "microbatches")
     stages, slices = trainer._stages, trainer.slices
+    axis = trainer.parallelism.axis
     last = len(stages) - 1
     own = _own_tensors(trainer, trainer.replicas[0])
     fixed = _own_tensors(trainer, trainer.fixed[0])
@@ -61,9 +63,9 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
         acts = [[None] * (len(stages)) for _ in range(m)]      # stage inputs
         saved = [[None] * (len(stages)) for _ in range(m)]     # what backward needs
         for j in range(m):
-            h = _place_batch(xs[j], slices[0], None)
+            h = _place_batch(xs[j], slices[0], axis)
             for k in range(len(stages)):
-                h = h if k == 0 else h.to(slices[k])
+                h = h if k == 0 else _batch_to(h, slices[k], axis)
                 acts[j][k] = h
                 if k < last:
                     h, saved[j][k] = fwd[k](params[k], fixed[k], h)
@@ -71,13 +73,13 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
         acc: List[Optional[dict]] = [None] * len(stages)
         losses = []
         for j in reversed(range(m)):
-            y = _place_batch(ys[j], slices[last], None)
+            y = _place_batch(ys[j], slices[last], axis)
             gx, acc[last], loss = last_bwd(params[last], fixed[last], acts[j][last], y,
                                            acc[last] if acc[last] is not None else {},
                                            scalers[last])
             losses.append(loss)
             for k in reversed(range(last)):
-                gy = gx.to(slices[k])
+                gy = _batch_to(gx, slices[k], axis)
                 gx, acc[k] = bwd[k](params[k], fixed[k], acts[j][k], saved[j][k], gy,
                                     acc[k] if acc[k] is not None else {})
                 saved[j][k] = None
@@ -113,6 +115,13 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
     for c in created:       # (under loss scaling, kept if the update was not skipped:
         trainer._store_created(0, c)        # a read, after the graph is submitted)
     return loss
+
+
+def _batch_to(a: Array, slice_, axis: Optional[str]) -> Array:
+    """A micro-batch's activations or their gradient on the next stage's slice, split
+    over ``axis`` as the batch is (replicated where it does not divide)."""
+    split = axis and a.ndim and a.shape[0] % _axis_size(slice_, axis) == 0
+    return a.to(slice_, P(axis) if split else P())
 
 
 def _own_tensors(trainer, tensors: Dict[str, Array]) -> List[Dict[str, Array]]:
@@ -360,7 +369,8 @@ def pipeline_eval(trainer, inputs, targets, outputs: bool = False):
     """The whole batch through the stages in eval mode: the loss, or (``outputs``) the
     last stage's outputs."""
     stages, slices = trainer._stages, trainer.slices
-    h = _place_batch(inputs, slices[0], None)
+    axis = trainer.parallelism.axis
+    h = _place_batch(inputs, slices[0], axis)
     with graph():
         options = trainer.options
         all_params = _own_tensors(trainer, trainer.replicas[0])
@@ -368,12 +378,12 @@ def pipeline_eval(trainer, inputs, targets, outputs: bool = False):
         _lend_tied(trainer, all_params, all_fixed)
         for k, (mod, names) in enumerate(stages):
             params, fixed = all_params[k], all_fixed[k]
-            h = h if k == 0 else h.to(slices[k])
+            h = h if k == 0 else _batch_to(h, slices[k], axis)
             final = k == len(stages) - 1
             if final and not outputs:
                 prog = trainer._program("eval_last", _make_stage_eval(mod, trainer.loss_fn,
                                                                       True, options))
-                return prog(params, fixed, h, _place_batch(targets, slices[k], None))
+                return prog(params, fixed, h, _place_batch(targets, slices[k], axis))
             prog = trainer._program(f"stage{k}_eval",
                                     _make_stage_eval(mod, None, False, options))
             h = prog(params, fixed, h, None)

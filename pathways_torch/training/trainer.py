@@ -192,6 +192,14 @@ class Trainer:
         if isinstance(parallelism, Pipeline):
             self._stages = _split_stages(model, parallelism)
             self._ties, self._tie_home = stage_ties(model, self._stages)
+            wide = next((s for s in self.slices if len(s.devices) > 1), None)
+            if parallelism.axis is None and wide is not None:
+                warn_at_caller(
+                    f"pw.Pipeline without axis=: a stage's slice has {len(wide.devices)} "
+                    "devices, and each computes the whole micro-batch (the same numbers "
+                    "on every device); pass axis= one of "
+                    f"{tuple(wide.axis_names)} to split micro-batches over it",
+                    UserWarning)
         self._place(self.slices)
         homes = self._homes
         self.replicas: List[Dict[str, Array]] = []
