@@ -207,7 +207,7 @@ def test_training_on_host_batches_matches_torch(islands, strategy, dataset):
     elif strategy == "islands":
         kw = dict(parallelism=pw.MultiIsland(islands, "data"))
     else:
-        kw = dict(parallelism=pw.Pipeline(2, 2, islands))
+        kw = dict(parallelism=pw.Pipeline(2, 2, islands, axis="data"))
     trainer = pw.Trainer(model, opt, torch.nn.functional.mse_loss, **kw)
     if dataset == "stream":
         loader = pw.DataLoader("loader_data:stream", dataset_kwargs={"n": 48},
@@ -218,7 +218,11 @@ def test_training_on_host_batches_matches_torch(islands, strategy, dataset):
         loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 48},
                                batch_size=16, slice=trainer, shuffle=True, seed=2)
         batches = reference(48, 16, seed=2, epoch=0)
-    got = [float(trainer.step(x, y)) for x, y in loader]
+    got = []
+    for x, y in loader:
+        if strategy == "pipeline":          # each stage's micro-batches split over "data"
+            assert {p.sharding for p in x.parts + y.parts} == {P("data")}
+        got.append(float(trainer.step(x, y)))
     want = torch_losses(ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9),
                         batches)
     assert len(got) == 3

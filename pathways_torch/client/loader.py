@@ -174,9 +174,9 @@ class DataLoader:
             m = par.microbatches
             first, last = slices[0], slices[-1]
             if first is last:
-                return [_Target(first, m, list(range(m)), [], None)]
-            return [_Target(first, m, list(range(m)), [0], None),
-                    _Target(last, m, list(range(m)), [1], None)]
+                return [_Target(first, m, list(range(m)), [], par.axis)]
+            return [_Target(first, m, list(range(m)), [0], par.axis),
+                    _Target(last, m, list(range(m)), [1], par.axis)]
         return [_Target(slices[0], 1, [0], [], getattr(par, "batch_axis", None))]
 
     def _current_slices(self) -> tuple:
