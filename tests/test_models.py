@@ -11,7 +11,8 @@ and so are the parameters and buffers that ``sync_to`` copies back. The vision m
 train with SGD: Adam divides by the root of tiny squared gradients, which turns float
 rounding differences (~1e-7) in the BatchNorm layers of a 4-image batch into 1e-3 loss
 differences within 3 steps (checked: the first step's gradients agree to 7e-5 relative).
-LoRA fine-tuning with peft (a frozen Llama, adapters trained) is checked the same way.
+LoRA fine-tuning with peft (a frozen Llama, adapters trained) is checked the same way,
+and GPT-2's own blocks as a 2-stage pipeline whose stages share the tied embeddings.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import pytest
 import torch
 
 import pathways_torch as pw
-from zoo import (MODELS, TokenStream, _lm_batch, bert, bert_batch, convnext, encoding_collate,
-                 gpt2, image_batch, llama, torch_step)
+from zoo import (MODELS, V, TokenStream, _lm_batch, bert, bert_batch, convnext,
+                 encoding_collate, gpt2, gpt2_sequential, image_batch, llama, torch_step)
 
 TOL = 1e-4
 STEPS = 3
@@ -82,6 +83,48 @@ def test_model_trains_like_plain_torch(name, parallelism, s2):
             torch.testing.assert_close(a, b, atol=TOL, rtol=TOL, msg=lambda m: f"{n}: {m}")
         else:
             assert torch.equal(a, b), n
+
+
+def test_gpt2_blocks_in_a_data_parallel_pipeline_with_tied_embeddings(cluster8):
+    """Hugging Face GPT-2's own modules in 2 pipeline stages on two 2-device slices
+    (``axis="data"``), clipped: its tied token embedding and LM head, one tensor used
+    by both stages, train as torch trains them (the tie intact after ``sync_to``)."""
+    slices = [pw.slice((2,), axis_names=("data",)) for _ in range(2)]
+    try:
+        torch.manual_seed(0)
+        model = gpt2_sequential()
+        ref = copy.deepcopy(model)
+        assert model[-1].lm.weight is model[0].wte.weight
+        g = torch.Generator().manual_seed(1)
+        data = []
+        for _ in range(STEPS):
+            ids = torch.randint(0, V, (8, 16), generator=g)
+            data.append((ids, torch.roll(ids, -1, 1)))
+
+        def loss_fn(logits, y):
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+        opt, want = torch.optim.AdamW(ref.parameters(), lr=1e-3), []
+        for x, y in data:
+            opt.zero_grad()
+            loss = loss_fn(ref(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            want.append(loss.item())
+        tr = pw.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn,
+                        parallelism=pw.Pipeline(2, 2, slices, axis="data"),
+                        max_grad_norm=1.0)
+        assert tr._ties[1] == {f"{len(model) - 1}.lm.weight": "0.wte.weight"}
+        got = [float(tr.step(x, y)) for x, y in data]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=TOL, atol=TOL)
+        tr.sync_to()
+        assert model[-1].lm.weight is model[0].wte.weight
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b.detach(), rtol=TOL, atol=TOL,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+    finally:
+        for s in slices:
+            s.release()
 
 
 def test_stochastic_depth_trains_and_evaluates_like_torch(s2):

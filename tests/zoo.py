@@ -28,6 +28,45 @@ def gpt2():
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
 
 
+def gpt2_sequential(layers=4):
+    """Hugging Face GPT-2's own modules as an nn.Sequential, for pw.Pipeline: the token
+    embedding and the LM head stay one tensor (tied), so two stages share it."""
+    import transformers
+    from torch import nn
+
+    class Embed(nn.Module):
+        def __init__(self, wte, wpe):
+            super().__init__()
+            self.wte, self.wpe = wte, wpe
+
+        def forward(self, ids):
+            return self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))[None]
+
+    class Block(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, h):
+            out = self.block(h)
+            return out[0] if isinstance(out, tuple) else out
+
+    class Head(nn.Module):
+        def __init__(self, ln, lm):
+            super().__init__()
+            self.ln, self.lm = ln, lm
+
+        def forward(self, h):
+            return self.lm(self.ln(h))
+
+    m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=layers, n_head=2, n_embd=32, vocab_size=V, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    t = m.transformer
+    return nn.Sequential(Embed(t.wte, t.wpe), *[Block(b) for b in t.h],
+                         Head(t.ln_f, m.lm_head))
+
+
 def llama():
     import transformers
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
