@@ -1195,8 +1195,7 @@ def optimizers(rep: Report) -> None:
             f"{res['params']} parameters ({source(res, 'optimizers.py')}); no bar.\n",
             table(["what", "value"], [
                 ["time a step, generic over torch.optim (median of per-round ratios)",
-                 f"{ratio(r['median'])} ({ratio(r['lo'])}-{ratio(r['hi'])}, "
-                 f"{r['rounds']} rounds, {r['spread']})"],
+                 spread(r)],
                 ["the client's work on the numbers, a step",
                  f"{num(res['numbers_client_us_per_step'])} µs"],
                 ["traces", f"{res['traces']['generic']} (torch.optim: "
@@ -1208,9 +1207,6 @@ def ema(rep: Report) -> None:
     if res is None:
         return
 
-    def spread(r):
-        return (f"{ratio(r['median'])} ({ratio(r['lo'])}-{ratio(r['hi'])}, "
-                f"{r['rounds']} rounds, {r['spread']})")
     ms = res["ms_per_step"]
     rep.add("## An average of the weights (ema=)\n",
             f"torch's AveragedModel (EMA) of {res['layers']} Linear({res['width']}) layers "
@@ -1231,9 +1227,6 @@ def pipeline_axis(rep: Report) -> None:
     if res is None:
         return
 
-    def spread(r):
-        return (f"{ratio(r['median'])} ({ratio(r['lo'])}-{ratio(r['hi'])}, "
-                f"{r['rounds']} rounds, {r['spread']})")
     sps = res["steps_per_s"]
     rep.add("## Pipeline x data parallelism (Pipeline(axis=))\n",
             f"The recipes' GPT at batch {res['batch']}, 2 stages on two 2-device slices, "
