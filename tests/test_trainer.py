@@ -5,6 +5,7 @@ Same initial weights, same data; losses of 10 steps must agree within 1e-4 relat
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -338,6 +339,38 @@ def test_pipeline_backward_reuses_the_forward_activations(cluster8, monkeypatch)
         assert_losses_match([float(tr.step(x, y)) for x, y in data],
                             torch_losses(ref, make_opt, data))
         assert True in used          # the XLA trace of stage0_bwd replayed the stash
+    finally:
+        for s in slices:
+            s.release()
+
+
+def test_a_stage_backward_that_would_redraw_dropout_is_refused(cluster8, monkeypatch):
+    """Were the stash ever not replayed (its saved tensors differing between the two
+    traces), a stage's backward would recompute its forward: with dropout, with other
+    masks than the forward's, so gradients of a forward that never ran. That is refused
+    instead of trained silently; forced here by making the replay decline."""
+    from pathways_torch.training import pipeline as T
+    orig = T._Stash.unpack
+
+    def decline(self, k):
+        if self.saved is not None:
+            self._use_saved = False
+        return orig(self, k)
+    monkeypatch.setattr(T._Stash, "unpack", decline)
+    slices = [pw.slice((1,)) for _ in range(2)]
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.3),
+                                    torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                        parallelism=pw.Pipeline(2, 2, slices))
+        x, y = make_data(1, batch=8, seed=1)[0]
+        with pytest.raises(pw.TraceError, match="stage 0's backward recomputes"):
+            tr.step(x, y)
+        model[1].eval()     # the dropout off: a recomputed forward is the same forward
+        deterministic = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   loss_fn, parallelism=pw.Pipeline(2, 2, slices))
+        assert math.isfinite(float(deterministic.step(x, y)))
     finally:
         for s in slices:
             s.release()

@@ -1566,6 +1566,35 @@ def test_a_model_left_in_eval_mode_trains_in_train_mode(s2):
     assert not model.training and not model[1].training
 
 
+def test_a_model_left_in_eval_mode_trains_in_train_mode_under_pipeline(pipe_slices):
+    """The same under Pipeline, whose stages are new containers cut from the model
+    (always in train mode themselves): before stop 39 they kept the layers' eval mode,
+    so a model left in eval mode trained without dropout and with frozen batch norms
+    there, and in train mode under DataParallel. Against torch's GPipe semantics: each
+    micro-batch normalised by itself, its running statistics updated in turn."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    data = batches(2, seed=13)
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1)
+    opt, want = make_opt(ref.parameters()), []
+    for x, y in data:
+        opt.zero_grad()
+        losses = []
+        for part in (slice(0, 4), slice(4, 8)):
+            loss = F.cross_entropy(ref(x[part]), y[part])
+            (loss / 2).backward()
+            losses.append(loss.item())
+        opt.step()
+        want.append(sum(losses) / 2)
+    model.eval()
+    got, tr = trainer_train(model, make_opt, data, lambda m, i: None,
+                            **dp_or_pipeline("pipeline", None, pipe_slices))
+    assert_losses(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref, atol=1e-6)
+    assert not model.training and not model[1].training
+
+
 # ---------------------------------------------------------------------- ema=
 swa = torch.optim.swa_utils
 

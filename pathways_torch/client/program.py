@@ -185,6 +185,10 @@ class Program:
         self._fast_tree: dict = {}  # (slice uid, _tree_key of (args, kwargs)) -> _Fast
         self._lock = threading.Lock()
 
+    def draws_random(self) -> bool:
+        """Whether a trace of this program draws random numbers (takes a seed per call)."""
+        return any(t.rng for t in self._traces.values())
+
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
         rec = tracing.CLIENT

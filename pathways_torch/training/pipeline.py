@@ -14,7 +14,7 @@ import torch
 
 from ..client.array import Array
 from ..client.graph import graph
-from ..errors import PathwaysError
+from ..errors import PathwaysError, TraceError
 from ..parallel.strategies import Pipeline
 from ..sharding import P
 from .batches import _axis_size, _place_batch, _split
@@ -41,7 +41,8 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
             f"{sorted(hooked)[0]!r} is shared by two pipeline stages and has a hook "
             "(register_hook), which torch runs once on its whole gradient; each stage "
             "computes a part of it. Remove the hook or untie the parameter")
-    fwd = [trainer._program(f"stage{k}_fwd", _make_stage_fwd(mod, k == 0, options))
+    fwd = [trainer._program(f"stage{k}_fwd", _make_stage_fwd(mod, k == 0, trainer.model,
+                                                             options))
            for k, (mod, _) in enumerate(stages)]
     bwd = [trainer._program(f"stage{k}_bwd", _make_stage_bwd(mod, k == 0, trainer.model,
                                                              options))
@@ -83,6 +84,17 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
                 gx, acc[k] = bwd[k](params[k], fixed[k], acts[j][k], saved[j][k], gy,
                                     acc[k] if acc[k] is not None else {})
                 saved[j][k] = None
+        redrawn = [k for k in range(last) if bwd[k].draws_random()]
+        if redrawn:
+            # the stash was not replayed (see _Stash) and the stage draws random numbers:
+            # its backward would differentiate other dropout masks than its forward's
+            raise TraceError(
+                f"pipeline stage {redrawn[0]}'s backward recomputes its forward, which "
+                "draws random numbers (dropout), so its gradients would not be those of "
+                "the forward's masks: the tensors autograd saved differed between the "
+                "two traces. Please report it with the stage's layers; meanwhile put the "
+                "random layers in the last stage (stages=[...] bounds), which computes "
+                "its forward and backward in one program")
         _gather_tied(trainer, acc)
         verdicts = [{}] * len(stages)
         if options.max_grad_norm is not None or options.scaling:
@@ -302,7 +314,7 @@ class _Stash:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-def _make_stage_fwd(mod, first: bool, options):
+def _make_stage_fwd(mod, first: bool, model, options):
     """A stage's forward (under the precision's autocast, as the whole model's would
     run); also returns the tensors its backward needs (see _Stash)."""
     def stage_fwd(params, fixed, x):
@@ -311,7 +323,8 @@ def _make_stage_fwd(mod, first: bool, options):
         if not first:
             x = x.requires_grad_()
         stash = _Stash(x, params)
-        with stash.hooks(), mode(mod, True), _stage(mod, params, fixed), autocast(options):
+        with stash.hooks(), mode(mod, True, model), _stage(mod, params, fixed), \
+                autocast(options):
             y = mod(x)
         return y.detach(), [t.detach() for t in stash.recorded]
     return stage_fwd
@@ -333,7 +346,7 @@ def _make_stage_bwd(mod, first: bool, model, options):
         # the forward program updated the buffers already (BatchNorm): not twice
         fixed = {n: t.clone() for n, t in fixed.items()}
         wrt = leaves if first else [x] + leaves
-        with mode(mod, True), _stage(mod, params, fixed):
+        with mode(mod, True, model), _stage(mod, params, fixed):
             with _Stash(x, params, saved).hooks(), autocast(options):
                 y = mod(x)
             grads = torch.autograd.grad(y, wrt, grad_outputs=gy)
@@ -352,7 +365,7 @@ def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool, model, options)
         if not first:
             x = x.requires_grad_()
         wrt = leaves if first else [x] + leaves
-        with mode(mod, True), _stage(mod, params, fixed):
+        with mode(mod, True, model), _stage(mod, params, fixed):
             with autocast(options):
                 loss = alone(*loss_and_rest(mod(x), targets, loss_fn), "a Pipeline")
             if loss.dtype in (torch.float16, torch.bfloat16):

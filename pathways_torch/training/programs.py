@@ -168,11 +168,12 @@ def loss_and_rest(out: Any, targets: Any, loss_fn: Optional[Callable]):
 
 
 @contextlib.contextmanager
-def mode(model: torch.nn.Module, training: bool):
+def mode(model: torch.nn.Module, training: bool, whole: Optional[torch.nn.Module] = None):
     """Trace ``model`` in eval mode, or for training in the user's modes (train mode if
-    the model is in eval mode), and leave every module's flag as it was."""
+    the model is in eval mode), and leave every module's flag as it was. ``whole``:
+    the model that ``model`` is a part of (a pipeline stage), whose mode the user set."""
     flags = [(m, m.training) for m in model.modules()]
-    if not (training and model.training):
+    if not (training and (model if whole is None else whole).training):
         model.train(training)
     try:
         yield
