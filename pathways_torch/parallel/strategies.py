@@ -57,7 +57,6 @@ class TensorParallel:
     batch_axis: Optional[str] = None
 
     def __post_init__(self):
-        from ..errors import PathwaysError
         if not isinstance(self.param_specs, dict) or not all(
                 isinstance(n, str) and isinstance(v, P) for n, v in self.param_specs.items()):
             raise PathwaysError(
@@ -73,7 +72,6 @@ class TensorParallel:
         """Refuse specs for names the model does not have (a typo would silently leave
         that parameter replicated)."""
         import difflib
-        from ..errors import PathwaysError
         unknown = [n for n in self.param_specs if n not in set(names)]
         if unknown:
             hints = {n: difflib.get_close_matches(n, names, n=1) for n in unknown}

@@ -44,6 +44,12 @@ def _place_batch(value, slice_, axis: Optional[str]):
     return pytree.tree_map(place, value)
 
 
+def _moved(tree, slice_):
+    """Every Array of ``tree`` on ``slice_`` (those already there as they are)."""
+    return pytree.tree_map(lambda a: a if not isinstance(a, Array) or a.slice is slice_
+                           else a.to(slice_), tree)
+
+
 def _split(value, n: int, what: str) -> list:
     """Split every tensor of a batch pytree into ``n`` equal parts along dimension 0."""
     from ..client.loader import Parts

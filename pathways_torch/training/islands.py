@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ..client.array import Array
 from ..client.graph import graph
-from .batches import _place_batch, _split
+from .batches import _moved, _place_batch, _split
 from .programs import make_apply_fn, make_grad_fn
 
 
@@ -35,7 +34,7 @@ def multi_island_step(trainer, inputs, targets, lrs, hyper) -> Array:
         created = []
         for r, s in enumerate(trainer.slices):
             # every replica sums the same gradients in the same order: identical updates
-            gathered = [g if i == r else _tree_to(g, s) for i, g in enumerate(grads)]
+            gathered = [_moved(g, s) for g in grads]
             # parameters and state are updated in place (written back to their Arrays)
             created.append(apply_prog(trainer.replicas[r], trainer.states[r], lrs,
                                       gathered, hyper, scaler=trainer._scalers[r] or None))
@@ -45,6 +44,3 @@ def multi_island_step(trainer, inputs, targets, lrs, hyper) -> Array:
         trainer._store_created(r, c)    # not skipped: a read, after the graph is sent)
     return loss
 
-
-def _tree_to(tree, slice_):
-    return pytree.tree_map(lambda a: a.to(slice_) if isinstance(a, Array) else a, tree)

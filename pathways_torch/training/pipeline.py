@@ -17,7 +17,7 @@ from ..client.graph import graph
 from ..errors import PathwaysError, TraceError
 from ..parallel.strategies import Pipeline
 from ..sharding import P
-from .batches import _axis_size, _place_batch, _split
+from .batches import _axis_size, _moved, _place_batch, _split
 from . import scaling
 from .programs import (alone, autocast, clip_coef, grad_hooks, grad_square_sum,
                        loss_and_rest, make_apply_fn, mode, reparametrized, requires_grad,
@@ -34,8 +34,8 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
     own = _own_tensors(trainer, trainer.replicas[0])
     fixed = _own_tensors(trainer, trainer.fixed[0])
     options = trainer.options
-    hooked = set(grad_hooks(trainer.model)) & {c for tie in trainer._ties
-                                               for c in tie.values()}
+    tied = {c for tie in trainer._ties for c in tie.values()}
+    hooked = tied and set(grad_hooks(trainer.model)) & tied
     if hooked:
         raise PathwaysError(
             f"{sorted(hooked)[0]!r} is shared by two pipeline stages and has a hook "
@@ -206,10 +206,6 @@ def _make_combine(options):
             out["found"] = torch.stack([p["found"] for p in parts]).amax()
         return out
     return grad_combine
-
-
-def _moved(arrays: Dict[str, Array], slice_) -> Dict[str, Array]:
-    return {k: a if a.slice is slice_ else a.to(slice_) for k, a in arrays.items()}
 
 
 def _split_stages(model: torch.nn.Module, pipe: Pipeline):

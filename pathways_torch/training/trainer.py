@@ -391,9 +391,12 @@ class Trainer:
     def _put_scalers(self, values: Dict[str, Any]) -> None:
         """The loss scale and growth tracker ``values`` (tensors, or the first copy's
         Arrays) on every slice that holds a copy."""
-        self._scalers = [{k: t if isinstance(t, Array) and t.slice is s else
-                          t.to(s, P()) if isinstance(t, Array) else put(t, s, P())
-                          for k, t in values.items()} for s in self._scaler_slices()]
+        def on(t, s):
+            if isinstance(t, Array):
+                return t if t.slice is s else t.to(s, P())
+            return put(t, s, P())
+        self._scalers = [{k: on(t, s) for k, t in values.items()}
+                         for s in self._scaler_slices()]
 
     def _store_created(self, r: int, created: Dict[str, Dict[str, Array]]) -> None:
         norm = created.pop(GRAD_NORM, None)
