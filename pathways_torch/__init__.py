@@ -25,6 +25,14 @@ Example::
 """
 
 import importlib as _importlib
+import os as _os
+
+# gRPC's at-fork handlers (on by default in its wheels) can hang a child forked while
+# gRPC threads are busy, and garble descriptors the parent is using: a torch DataLoader
+# with worker processes in a client or on a host hit both. Nothing here uses gRPC in a
+# forked child, so the handlers stay off unless the environment says otherwise. Read
+# when gRPC starts, so it is set before any channel or server exists.
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from .errors import (CheckpointError, ClusterShutdownError, ColocatedError, DataDependentError,
                      DataLoaderError, NotInitializedError,

@@ -1,6 +1,8 @@
 """Datasets and functions the tests' worker hosts import by name (pw.DataLoader,
 pw.colocated); the embedded cluster puts this folder on their path."""
 
+import os
+
 import torch
 
 
@@ -34,6 +36,20 @@ def dict_rows(**kw):
             x, y = super().__getitem__(i)
             return {"x": x, "y": y}
     return D(**kw)
+
+
+def pid_rows(**kw):
+    """Rows whose samples also carry the pid of the process that read them. The class
+    is made inside the factory, so it cannot be pickled (many users' datasets cannot)."""
+    class WithPid(Rows):
+        def __getitem__(self, i):
+            x, y = super().__getitem__(i)
+            return x, y, torch.tensor([os.getpid()])
+    return WithPid(**kw)
+
+
+# a collate function that pickle cannot name
+lambda_collate = lambda samples: torch.utils.data.default_collate(samples)  # noqa: E731
 
 
 def with_strings(**kw):

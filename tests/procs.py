@@ -32,6 +32,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def parent(pid: int) -> int:
+    """The parent of a live process (0 when it is gone)."""
+    try:
+        return int(_stat(pid)[1])
+    except OSError:
+        return 0
+
+
 def descendants(pid: int) -> list:
     """Every live process below ``pid``."""
     children = {}

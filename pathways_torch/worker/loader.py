@@ -12,13 +12,21 @@ An ``IterableDataset`` has no indices: every host runs torch's own ``DataLoader`
 the whole stream (so the batches are torch's, whatever ``num_workers`` does to the
 stream) and keeps its rows of each batch; an epoch ends where the stream does, which
 the client learns by asking (``peek``) before it names a batch.
+
+The DataLoader's worker processes come from a fork server, never a fork of this
+process: its gRPC threads make a forked child hang in gRPC's at-fork handler, or garble
+torch's descriptor hand-off. Each worker builds the dataset and collate function from
+their names, as this host did (so they need not be picklable), and lives as long as
+the loader (``persistent_workers``): one start per loader, not per epoch.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import functools
 import logging
+import multiprocessing
 import os
 import queue
 import threading
@@ -123,15 +131,8 @@ class HostLoader:
         self._made_hook = made if spec.push_made else None
         # ({sub-block: cpu rows}, batch axis, the part's rows) -> (buffer, shards)
         self._to_device = to_device
-        kwargs = json.loads(spec.dataset_kwargs_json or "{}")
-        factory = import_named(spec.dataset, "the dataset factory")
-        try:
-            self.dataset = factory(**kwargs)
-        except Exception as e:
-            raise LoaderError(f"the dataset factory {spec.dataset!r} raised on {where}: "
-                              f"{type(e).__name__}: {e}") from None
-        self.collate = import_named(spec.collate, "the collate function") \
-            if spec.collate else torch.utils.data.default_collate
+        self.source = _Source(spec.dataset, spec.dataset_kwargs_json, spec.collate, where)
+        self.dataset, self.collate = self.source.made()
         self.iterable = isinstance(self.dataset, torch.utils.data.IterableDataset)
         if self.iterable and spec.shuffle:
             raise LoaderError(f"the dataset of {spec.dataset!r} is an IterableDataset, "
@@ -158,6 +159,10 @@ class HostLoader:
         self._expect: Tuple[int, int] = (-1, -1)   # the batch the prefetcher makes next
         self._lock = threading.Lock()
         self.samples: list = []             # per leaf (dtype name, sample shape)
+        # torch's DataLoader with persistent worker processes (num_workers > 0), made
+        # at the first epoch; the plan each next iteration of it loads
+        self._dl: Optional[torch.utils.data.DataLoader] = None
+        self._plan = _Plan()
 
     # ------------------------------------------------------------------ structure
     def describe(self):
@@ -177,8 +182,7 @@ class HostLoader:
         return pytree.treespec_dumps(tree), self.samples, items
 
     def _collate(self, indices: List[int], epoch: int, index: int):
-        return _Rows(self.dataset, self.collate, self.spec.dataset, self.where,
-                     [(epoch, index, indices)]).load(0)
+        return _Rows(self.source).load((epoch, index, indices))
 
     def _first_samples(self, n: int) -> list:
         out: list = []
@@ -303,11 +307,32 @@ class HostLoader:
             except queue.Empty:
                 pass
             self._thread.join(timeout=30)
+            if self._thread.is_alive():     # still inside the DataLoader: not shared
+                log.warning("loader %d: the prefetcher did not stop within 30 s",
+                            self.spec.loader_id)
+                self._drop_workers(wait=False)
             self._thread = None
 
     def close(self) -> None:
         with self._lock:
             self._halt()
+            self._drop_workers()
+
+    def _workers_iter(self, make: Callable[[], torch.utils.data.DataLoader]):
+        """A new pass of the loader's DataLoader, whose worker processes persist
+        between passes (``make`` builds it once); in this process if num_workers=0."""
+        if self.spec.num_workers == 0:
+            return iter(make())
+        if self._dl is None:
+            self._dl = make()
+        return iter(self._dl)
+
+    def _drop_workers(self, wait: bool = True) -> None:
+        """Forget the DataLoader; with ``wait``, stop its worker processes now."""
+        dl, self._dl = self._dl, None
+        it = getattr(dl, "_iterator", None)
+        if wait and it is not None:
+            it._shutdown_workers()
 
     def _subs(self) -> Tuple[int, List[int]]:
         sp = self.spec
@@ -359,10 +384,10 @@ class HostLoader:
         while not stop.is_set():
             i = 0
             try:
-                it = iter(torch.utils.data.DataLoader(
-                    self.dataset, batch_size=sp.batch_size, drop_last=sp.drop_last,
-                    num_workers=sp.num_workers, collate_fn=self.collate,
-                    prefetch_factor=2 if sp.num_workers else None))
+                it = self._workers_iter(lambda: torch.utils.data.DataLoader(
+                    _Stream(self.source), batch_size=sp.batch_size,
+                    drop_last=sp.drop_last, collate_fn=_Collate(self.source),
+                    **_worker_options(sp.num_workers)))
                 while not stop.is_set():
                     try:
                         batch = next(it)
@@ -375,6 +400,7 @@ class HostLoader:
                             return
                     i += 1
             except Exception as e:
+                self._drop_workers()       # a pass that raised cannot go on
                 i = max(i, index)
                 err = f"the stream of {sp.dataset!r} raised on {self.where} in batch " \
                       f"{i} of epoch {epoch}: {type(e).__name__}: {e}"
@@ -407,23 +433,26 @@ class HostLoader:
     def _epoch(self, plan, stop: threading.Event, ready: "queue.Queue") -> None:
         """Load the batches of ``plan`` in order with torch's DataLoader (its workers
         read samples in parallel), each to the devices, each into ``ready``."""
-        sp = self.spec
-        dl = torch.utils.data.DataLoader(
-            _Rows(self.dataset, self.collate, sp.dataset, self.where, plan),
-            batch_size=None, shuffle=False, num_workers=sp.num_workers, collate_fn=_identity,
-            prefetch_factor=2 if sp.num_workers else None,
-            persistent_workers=False)
-        it = iter(dl)
-        for epoch, index, _ in plan:
+        def make():
+            return torch.utils.data.DataLoader(
+                _Rows(self.source), sampler=self._plan, batch_size=None,
+                collate_fn=_identity, **_worker_options(self.spec.num_workers))
+
+        self._plan.items = plan
+        it = self._workers_iter(make)
+        for k, (epoch, index, _) in enumerate(plan):
             if stop.is_set():
                 return
             try:
                 loaded = next(it)
             except StopIteration:
                 return
-            except Exception as e:
+            except Exception as e:      # the workers' machinery, not the dataset
                 loaded = f"loading batch {index} of epoch {epoch} on " \
                                    f"{self.where} failed: {type(e).__name__}: {e}"
+                self._drop_workers()
+                self._plan.items = plan[k + 1:]
+                it = self._workers_iter(make)
             if isinstance(loaded, str):
                 b = _Batch(epoch, index, error=loaded)
             else:
@@ -480,36 +509,115 @@ def _identity(x):
     return x
 
 
-class _Rows(torch.utils.data.Dataset):
-    """Batch k of a plan, loaded and collated (what each DataLoader worker runs); a
-    failure comes back as its message, so one bad sample fails one batch only. Holds
-    only the dataset, the collate function and names: picklable where they are."""
+@functools.lru_cache(maxsize=None)
+def _fork_server() -> multiprocessing.context.BaseContext:
+    """The context of the DataLoader workers: a fork server (started at the first
+    worker, torch preloaded, so a worker starts in milliseconds)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
 
-    def __init__(self, dataset, collate, name: str, where: str, plan) -> None:
-        self.dataset, self.collate, self.name, self.where = dataset, collate, name, where
-        self.plan = plan
+
+def _worker_options(num_workers: int) -> dict:
+    if num_workers == 0:
+        return {"num_workers": 0}
+    return {"num_workers": num_workers, "prefetch_factor": 2, "persistent_workers": True,
+            "multiprocessing_context": _fork_server()}
+
+
+class _Source:
+    """The loader's dataset and collate function, and their names: a DataLoader
+    worker process gets only the names and builds both as the host did, so neither
+    need be picklable (a class defined inside its factory, a lambda collate)."""
+
+    def __init__(self, dataset: str, kwargs_json: str, collate: str, where: str) -> None:
+        self.names = (dataset, kwargs_json or "{}", collate)
+        self.where = where
+        self._made: Optional[tuple] = None
+
+    def __getstate__(self) -> dict:
+        return {"names": self.names, "where": self.where}
+
+    def __setstate__(self, state: dict) -> None:
+        self.names, self.where, self._made = state["names"], state["where"], None
+
+    def made(self) -> tuple:
+        """(dataset, collate function), built at the first call."""
+        if self._made is None:
+            dataset, kwargs_json, collate = self.names
+            factory = import_named(dataset, "the dataset factory")
+            try:
+                built = factory(**json.loads(kwargs_json))
+            except Exception as e:
+                raise LoaderError(f"the dataset factory {dataset!r} raised on "
+                                  f"{self.where}: {type(e).__name__}: {e}") from None
+            self._made = (built, import_named(collate, "the collate function")
+                          if collate else torch.utils.data.default_collate)
+        return self._made
+
+
+class _Plan(torch.utils.data.Sampler):
+    """The batches the next pass of the map-style DataLoader loads: items
+    (epoch, index, this host's sample indices), set before each pass."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    def __iter__(self):
+        return iter(self.items)
 
     def __len__(self) -> int:
-        return len(self.plan)
+        return len(self.items)
 
-    def __getitem__(self, k: int):
+
+class _Rows(torch.utils.data.Dataset):
+    """Item (epoch, index, indices): that batch loaded and collated (what each
+    DataLoader worker runs); a failure comes back as its message, so one bad sample
+    fails one batch only."""
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+
+    def __getitem__(self, item):
         try:
-            return self.load(k)
+            return self.load(item)
         except LoaderError as e:
             return str(e)
 
-    def load(self, k: int):
-        """Load and collate batch k; a LoaderError naming the sample that failed."""
-        epoch, index, indices = self.plan[k]
+    def load(self, item):
+        """Load and collate a batch; a LoaderError naming the sample that failed."""
+        epoch, index, indices = item
+        dataset, collate = self.source.made()
         samples = []
         for i in indices:
             try:
-                samples.append(self.dataset[int(i)])
+                samples.append(dataset[int(i)])
             except Exception as e:
                 raise LoaderError(
-                    f"the dataset {self.name!r} raised on {self.where} for index {int(i)} "
-                    f"(batch {index} of epoch {epoch}): {type(e).__name__}: {e}") from None
-        return collate_checked(self.collate, samples, self.where, epoch, index)
+                    f"the dataset {self.source.names[0]!r} raised on {self.source.where} "
+                    f"for index {int(i)} (batch {index} of epoch {epoch}): "
+                    f"{type(e).__name__}: {e}") from None
+        return collate_checked(collate, samples, self.source.where, epoch, index)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """The loader's IterableDataset, built in each worker from its name."""
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+
+    def __iter__(self):
+        return iter(self.source.made()[0])
+
+
+class _Collate:
+    """The loader's collate function, imported in each worker by its name."""
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+
+    def __call__(self, samples):
+        return self.source.made()[1](samples)
 
 
 def collate_checked(collate, samples: list, where: str, epoch: int, index: int):
