@@ -197,25 +197,30 @@ def test_fit_on_a_host_loader_replays_the_same_batches(cluster, tmp_path, datase
         return pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 48}, batch_size=8,
                              slice=trainer, shuffle=True, seed=3, num_workers=1)
 
-    trainer = make_trainer(pw.slice((2,), island=0))
-    loader = loader_for(trainer)
-    killed = []
+    trainers = [make_trainer(pw.slice((2,), island=0))]
+    try:
+        trainer = trainers[0]
+        loader = loader_for(trainer)
+        killed = []
 
-    def on_step(i, loss):
-        if i == 5 and not killed:
-            killed.append(cluster.worker_pid(0))
-            os.kill(killed[0], signal.SIGKILL)
+        def on_step(i, loss):
+            if i == 5 and not killed:
+                killed.append(cluster.worker_pid(0))
+                os.kill(killed[0], signal.SIGKILL)
 
-    losses = trainer.fit(loader, steps=STEPS, checkpoint_dir=str(tmp_path),
-                         checkpoint_every=3, max_restarts=1, on_step=on_step)
-    assert len(trainer.restarts) == 1 and len(losses) == STEPS
-    state = loader.state_dict()                      # 6 batches an epoch: into epoch 1
-    assert (state["epoch"], state["index"]) == (1, STEPS - 6)
-    trainer.slices[0].release()
-    # an uninterrupted run on the other island, with a fresh loader: the same numbers
-    again = make_trainer(pw.slice((2,), island=1))
-    assert again.fit(loader_for(again), steps=STEPS) == losses
-    again.slices[0].release()
+        losses = trainer.fit(loader, steps=STEPS, checkpoint_dir=str(tmp_path),
+                             checkpoint_every=3, max_restarts=1, on_step=on_step)
+        assert len(trainer.restarts) == 1 and len(losses) == STEPS
+        state = loader.state_dict()                  # 6 batches an epoch: into epoch 1
+        assert (state["epoch"], state["index"]) == (1, STEPS - 6)
+        trainer.slices[0].release()
+        # an uninterrupted run on the other island, with a fresh loader: the same numbers
+        trainers.append(make_trainer(pw.slice((2,), island=1)))
+        assert trainers[1].fit(loader_for(trainers[1]), steps=STEPS) == losses
+    finally:                    # a failure here must not hold the next case's devices
+        for t in trainers:
+            for s in t.slices:
+                s.release()
 
 
 def test_a_lost_worker_fails_a_loader_loop_with_worker_lost(cluster):

@@ -7,6 +7,8 @@ The hosts import ``tests/loader_data.py`` by name: the embedded cluster gives it
 workers the client's import path.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -479,6 +481,35 @@ def test_a_stream_over_host_workers_gives_torchs_batches_each_epoch(islands):
         assert [len(b) for b in want] == [8, 8, 8, 8, 4, 4] and len(got) == 6
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     loader.close()
+
+
+def test_a_client_dataloader_with_workers_feeds_a_trainer_as_in_torch(islands):
+    """The habit of a torch script: the client's own DataLoader, with worker processes,
+    feeding trainer.step after pw.init. Its workers are forks of a process whose gRPC
+    threads are busy, so gRPC's at-fork handlers are off (importing pathways_torch sets
+    GRPC_ENABLE_FORK_SUPPORT=false); two epochs' losses equal torch's to 1e-5."""
+    assert os.environ.get("GRPC_ENABLE_FORK_SUPPORT") == "false"
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 4))
+
+    def epochs(workers):
+        dl = torch.utils.data.DataLoader(loader_data.Rows(n=32), batch_size=8,
+                                         shuffle=True, num_workers=workers,
+                                         generator=torch.Generator().manual_seed(1))
+        return [b for _ in range(2) for b in dl]
+
+    torch.manual_seed(0)
+    model, ref = make(), make()
+    ref.load_state_dict(model.state_dict())
+    trainer = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                         torch.nn.functional.mse_loss, slice=islands[0],
+                         parallelism=pw.DataParallel("data"))
+    got = [float(trainer.step(x, y)) for x, y in epochs(2)]
+    want = torch_losses(ref, torch.optim.SGD(ref.parameters(), lr=0.05), epochs(0))
+    assert len(got) == 8
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
 
 
 def test_a_dropped_loader_stops_on_the_host(islands):

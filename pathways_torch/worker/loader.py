@@ -22,9 +22,9 @@ the loader (``persistent_workers``): one start per loader, not per epoch.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
-import functools
 import logging
 import multiprocessing
 import os
