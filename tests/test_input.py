@@ -473,8 +473,7 @@ def test_a_stream_over_host_workers_gives_torchs_batches_each_epoch(islands):
     loader = pw.DataLoader("loader_data:stream", dataset_kwargs={"n": 40}, batch_size=8,
                            slice=islands[0], spec=P("data"), num_workers=2)
     want = [x for x, _ in torch.utils.data.DataLoader(
-        loader_data.Stream(n=40), batch_size=8, num_workers=2,
-        multiprocessing_context="forkserver")]
+        loader_data.Stream(n=40), batch_size=8, num_workers=2)]
     for _ in range(2):
         got = [x.torch() for x, _ in loader]
         # each worker yields 20 samples: batches of 8, 8 and 4 from each, interleaved
