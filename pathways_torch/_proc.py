@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import sys
 import time
@@ -21,6 +22,23 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
         pass
     if parent_pid and os.getppid() != parent_pid:
         os._exit(0)
+
+
+def exit_when_gone(pid: int, poll_s: float = 0.5) -> None:
+    """Block until process ``pid`` (not our parent) has ended, then exit at once."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):    # an old kernel: poll its existence
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass
+            time.sleep(poll_s)
+    select.select([fd], [], [])
+    os._exit(1)
 
 
 def serve_until_signal(server, until: Optional[Callable[[], bool]] = None) -> None:

@@ -2,6 +2,7 @@
 pw.colocated); the embedded cluster puts this folder on their path."""
 
 import os
+import time
 
 import torch
 
@@ -46,6 +47,17 @@ def pid_rows(**kw):
             x, y = super().__getitem__(i)
             return x, y, torch.tensor([os.getpid()])
     return WithPid(**kw)
+
+
+def slow_rows(delay=120.0, **kw):
+    """Rows whose samples take ``delay`` seconds to read in a DataLoader worker (the
+    host's own reads, for the loader's structure, are quick)."""
+    class Slow(Rows):
+        def __getitem__(self, i):
+            if torch.utils.data.get_worker_info() is not None:
+                time.sleep(delay)
+            return super().__getitem__(i)
+    return Slow(**kw)
 
 
 # a collate function that pickle cannot name

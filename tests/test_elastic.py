@@ -239,6 +239,28 @@ def test_a_lost_worker_fails_a_loader_loop_with_worker_lost(cluster):
             x.torch()
 
 
+
+def test_host_loader_workers_die_with_their_executor(cluster):
+    """A DataLoader worker blocked in the dataset's __getitem__ (where torch's check of
+    its parent never runs) is gone within seconds of its executor's SIGKILL."""
+    import time
+    from procs import parent
+    _until(lambda: "lost" not in {d.state for d in pw.devices()}, 120)
+    s = pw.slice((2,), island=1)
+    try:
+        executor = s.stats().pid
+        loader = pw.DataLoader("loader_data:slow_rows", dataset_kwargs={"n": 16},
+                               batch_size=8, slice=s, spec=pw.P("data"), num_workers=1)
+        next(iter(loader))                  # names batch 0: a worker starts reading it
+        _until(lambda: any(parent(p) not in (executor, 0) for p in descendants(executor)))
+        workers = [p for p in descendants(executor) if parent(p) != executor]
+        time.sleep(1.0)                     # inside time.sleep(120) by now
+        os.kill(executor, signal.SIGKILL)
+        assert wait_gone([executor] + workers, timeout=10) == []
+    finally:
+        s.release()
+
+
 def test_the_local_cluster_restarts_a_dead_worker_a_bounded_number_of_times():
     with LocalCluster(devices_per_host=1, max_restarts=1, restart_backoff=0.1) as c:
         first = c.worker_pid(0)

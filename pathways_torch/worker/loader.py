@@ -37,6 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
+from .. import _proc
 from .._trees import plain_batch
 from ..rpc import codec
 
@@ -518,11 +519,21 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def _die_with(executor: int, worker_id: int) -> None:
+    """A worker's ``worker_init_fn``: exit when the executor does. torch's check only
+    watches the worker's parent, the fork server, which lives while its workers hold
+    the executor's end of its pipe; and it runs between samples, not during a long
+    ``__getitem__``."""
+    threading.Thread(target=_proc.exit_when_gone, args=(executor,), daemon=True,
+                     name="pw-die-with-executor").start()
+
+
 def _worker_options(num_workers: int) -> dict:
     if num_workers == 0:
         return {"num_workers": 0}
     return {"num_workers": num_workers, "prefetch_factor": 2, "persistent_workers": True,
-            "multiprocessing_context": _fork_server()}
+            "multiprocessing_context": _fork_server(),
+            "worker_init_fn": functools.partial(_die_with, os.getpid())}
 
 
 class _Source:
