@@ -595,6 +595,52 @@ def test_accumulate_equals_one_step_on_the_concatenated_batch(s2, strat):
     assert opt.param_groups[0]["lr"] == pytest.approx(2e-2 * 0.5 ** updates)
 
 
+@pytest.mark.parametrize("how", ["save", "state_dict"])
+def test_a_resume_mid_accumulation_keeps_the_schedule_and_the_summed_gradients(
+        s2, tmp_path, how):
+    """A checkpoint taken between the micro-batches of an update, under a scheduler,
+    restored into a new Trainer over a freshly built model: the learning rates, the
+    scheduler's state, the gradients summed so far and the position in the
+    accumulation come back, so the run equals plain torch's uninterrupted one.
+    ``state_dict()`` used to hold none of them (a resume trained at the initial lr)."""
+    import io
+    k, updates, cut = 2, 3, 3                       # cut after 3 micro-batches: mid-update
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9)
+    make_sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.1)
+    model, micro = mlp(), batches(k * updates, batch=4, seed=12)
+    ref, fresh = copy.deepcopy(model), copy.deepcopy(model)
+    ref_opt = make_opt(ref.parameters())
+    ref_sched = make_sched(ref_opt)
+    for u in range(updates):
+        group = micro[u * k:(u + 1) * k]
+        torch_train(ref, ref_opt, [(torch.cat([x for x, _ in group]),
+                                    torch.cat([y for _, y in group]))], scheduler=ref_sched)
+    opt = make_opt(model.parameters())
+    tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2, accumulate=k,
+                    scheduler=make_sched(opt))
+    for x, y in micro[:cut]:
+        tr.step(x, y)
+    if how == "save":
+        tr.save(str(tmp_path / "ckpt"))
+    else:
+        buf = io.BytesIO()
+        torch.save(tr.state_dict(), buf)
+        buf.seek(0)
+    opt2 = make_opt(fresh.parameters())
+    sched2 = make_sched(opt2)
+    tr2 = pw.Trainer(fresh, opt2, F.cross_entropy, slice=s2, accumulate=k, scheduler=sched2)
+    if how == "save":
+        tr2.load(str(tmp_path / "ckpt"))
+    else:
+        tr2.load_state_dict(torch.load(buf, weights_only=False))
+    assert (tr2.steps, tr2.micro) == (tr.steps, tr.micro) == (1, 1)
+    assert sched2.last_epoch == 1 and opt2.param_groups[0]["lr"] == pytest.approx(0.05)
+    for x, y in micro[cut:]:
+        tr2.step(x, y)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    assert_same_model(tr2.sync_to(copy.deepcopy(fresh)), ref)
+
+
 def test_accumulate_with_clipping(s2):
     k = 2
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)

@@ -519,9 +519,23 @@ class Trainer:
     # ------------------------------------------------------------------ state
     @reads.internal
     def state_dict(self) -> Dict[str, Any]:
-        """Parameters, buffers and optimizer state, fetched to the client as tensors."""
+        """Everything a resume needs, as ``save`` writes it, fetched to the client:
+        parameters, buffers, optimizer state (``model``, ``optim``), the step count and
+        random stream, the learning rates and the scheduler's state (``lrs``,
+        ``scheduler``), and under ``accumulate=k`` the gradients summed so far and the
+        position in the accumulation (``acc``, ``micro``). ``torch.save`` takes it::
+
+            torch.save(trainer.state_dict(), "ckpt.pt")
+            trainer2.load_state_dict(torch.load("ckpt.pt", weights_only=False))
+        """
         follow.follow(self)
-        return self._state()
+        sd = self._state()
+        side = self._side()
+        side.pop("ema_n", None)             # the "ema" entry holds it
+        sd.update(side)
+        if self.options.accumulate > 1:
+            sd["acc"] = {n: a.torch() for n, a in self.acc[0].items()}
+        return sd
 
     def _state(self, only=None, optimizer: bool = True) -> Dict[str, Any]:
         """``state_dict()``, with the module's tensors limited to the names ``only``,
@@ -581,10 +595,16 @@ class Trainer:
             self._put_scalers({k: sd["scaler"][k] for k in self._scaler})
         follow.record(self, stale=True)    # the module's old values: replaced (a read fetches)
         if self._book is not None and "numbers" in sd:
-            self._book.mirror = copy.deepcopy(sd["numbers"])
             first = self.slices[0]
             self._book.group_tensors = {gk: put(t, first, P())
                                         for gk, t in sd.get("group_tensors", {}).items()}
+        if self.options.accumulate > 1:
+            # a state_dict without accumulators resumes at an accumulation boundary
+            for r, home_of in enumerate(self._homes):
+                for n, a in self.acc[r].items():
+                    t = sd["acc"][n] if "acc" in sd else torch.zeros(a.shape, dtype=a.dtype)
+                    self.acc[r][n] = put(t, home_of(n), self.param_specs[n])
+        self._load_side(copy.deepcopy({k: v for k, v in sd.items() if k in _SIDE}))
 
     @property
     def grad_norm(self) -> Optional[Array]:
@@ -727,18 +747,39 @@ class Trainer:
         if self._ema is not None:
             arrays.update(self._ema.checkpoint_arrays())
         save_arrays(path, arrays)
+        side = self._side()
+        side["scheduler"] = _jsonable(side["scheduler"])
+        with open(os.path.join(path, "trainer.json"), "w") as f:
+            json.dump(side, f)
+
+    def _side(self) -> Dict[str, Any]:
+        """The state that lives on the client (``_SIDE``): the accumulation position,
+        the learning rates the scheduler wrote, its state, a generic optimizer's
+        numbers. ``save`` writes it as trainer.json, ``state_dict`` holds it."""
         side = {"micro": self.micro,
                 "lrs": [float(g["lr"]) for g in self.optimizer.param_groups],
-                "scheduler": _jsonable(self.scheduler.state_dict())
+                "scheduler": copy.deepcopy(self.scheduler.state_dict())
                 if self.scheduler is not None else None}
         if self._ema is not None:
             side["ema_n"] = self._ema.n
         if self._book is not None:      # a generic optimizer's numbers (numbers.py)
-            side["numbers"] = self._book.mirror
+            side["numbers"] = copy.deepcopy(self._book.mirror)
             side["group_numbers"] = [{k: v for k, v in g.items() if numbers.is_number(v)}
                                      for g in self.optimizer.param_groups]
-        with open(os.path.join(path, "trainer.json"), "w") as f:
-            json.dump(side, f)
+        return side
+
+    def _load_side(self, side: Dict[str, Any]) -> None:
+        """Put back what ``_side`` gave (missing keys: a fresh accumulation, the
+        learning rates and scheduler as they are)."""
+        self.micro = int(side.get("micro", 0))
+        for g, lr in zip(self.optimizer.param_groups, side.get("lrs", ())):
+            g["lr"] = lr                      # what the scheduler had written
+        if self._book is not None and "numbers" in side:
+            self._book.mirror = side["numbers"]
+            for g, held in zip(self.optimizer.param_groups, side.get("group_numbers", ())):
+                g.update(held)
+        if self.scheduler is not None and side.get("scheduler") is not None:
+            self.scheduler.load_state_dict(side["scheduler"])
 
     @reads.internal
     def load(self, path: str) -> None:
@@ -823,15 +864,7 @@ class Trainer:
             self._put_scalers(scaling.initial(self._grad_scaler))
         elif self._scaler and isinstance(self.parallelism, Pipeline):
             self._put_scalers(self._scaler)         # the first stage's, to every stage
-        self.micro = int(side.get("micro", 0))
-        for g, lr in zip(self.optimizer.param_groups, side.get("lrs", ())):
-            g["lr"] = lr                      # what the scheduler had written
-        if self._book is not None and "numbers" in side:
-            self._book.mirror = side["numbers"]
-            for g, held in zip(self.optimizer.param_groups, side["group_numbers"]):
-                g.update(held)
-        if self.scheduler is not None and side.get("scheduler") is not None:
-            self.scheduler.load_state_dict(side["scheduler"])
+        self._load_side(side)
         follow.record(self, stale=True)    # the module's old values: replaced (a read fetches)
 
     # ------------------------------------------------------------------ elastic training
@@ -949,6 +982,11 @@ class _Schedulers:
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         for sch, one in zip(self.schedulers, sd["schedulers"]):
             sch.load_state_dict(one)
+
+
+# The keys of ``Trainer._side``: client-side state that ``state_dict`` holds beside the
+# arrays, and ``save`` writes as trainer.json.
+_SIDE = ("micro", "lrs", "scheduler", "numbers", "group_numbers")
 
 
 def _plain(name: str) -> str:
