@@ -133,11 +133,13 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def warn_at_caller(message: str, category: type) -> None:
-    """``warnings.warn`` at the first frame outside pathways_torch and torch: the
-    script's line, however deep in the runtime the warning is found."""
+    """``warnings.warn`` at the first frame outside pathways_torch, torch and
+    contextlib (the runtime's context managers): the script's line, however deep in
+    the runtime the warning is found."""
+    import contextlib
     torch = sys.modules.get("torch")
-    inside = (_PACKAGE,) + ((os.path.dirname(os.path.abspath(torch.__file__)),)
-                            if torch is not None else ())
+    inside = (_PACKAGE, os.path.abspath(contextlib.__file__)) + (
+        (os.path.dirname(os.path.abspath(torch.__file__)),) if torch is not None else ())
     f, level = sys._getframe(1), 2
     while f is not None and os.path.abspath(f.f_code.co_filename).startswith(inside):
         f, level = f.f_back, level + 1

@@ -57,6 +57,23 @@ def test_item_inside_a_program(s):
     still_works(s)
 
 
+def test_a_read_in_torchs_own_code_is_named_by_torchs_line():
+    """A value read inside torch's modules, with no line of the user's around it (a
+    module of torch.nn called by another), names torch's line rather than nothing."""
+    import os
+    from pathways_torch.client.capture import _user_line
+    where = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "made_up.py")
+    # the read and the frame that catches it both in torch (the runtime's frames,
+    # which would sit between, are left out the same way)
+    code = compile("def forward(n):\n    return 1.0 / float(n)\n\n\n"
+                   "def call(n):\n    try:\n        forward(n)\n"
+                   "    except ValueError as e:\n        return e\n", where, "exec")
+    ns: dict = {}
+    exec(code, ns)
+    line = _user_line(ns["call"](torch.tensor([1.0, 2.0])))    # float() of two elements
+    assert line == ", in torch's own code at torch/nn/modules/made_up.py:2: ", line
+
+
 def test_one_hot_without_num_classes_says_to_pass_it(s):
     @pw.program
     def encode(y):

@@ -210,6 +210,31 @@ def test_batches_as_hugging_face_batch_encodings(s2):
     assert n == 2
 
 
+def test_predict_returns_a_hugging_face_cache_of_arrays(s2):
+    """GPT-2 in eval mode returns its key/value cache (``use_cache`` is on by default), a
+    ``DynamicCache`` of layer objects, no pytree node: ``predict`` returns one whose
+    keys and values are Arrays with torch's values (it used to hold the trace's fake
+    tensors, and reading them failed)."""
+    from transformers import DynamicCache
+    torch.manual_seed(0)
+    model = gpt2()
+    ref = copy.deepcopy(model).eval()
+    ids = torch.randint(0, V, (4, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(input_ids=ids)
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), None, slice=s2)
+    got = tr.predict({"input_ids": ids})
+    assert list(got.keys()) == list(want.keys())
+    torch.testing.assert_close(got.logits.torch(), want.logits, atol=TOL, rtol=TOL)
+    cache, ref_cache = got[1], want[1]
+    assert isinstance(cache, DynamicCache) and cache.get_seq_length() == 8
+    assert len(cache.layers) == len(ref_cache.layers)
+    for layer, ref_layer in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(layer.keys.torch(), ref_layer.keys, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(layer.values.torch(), ref_layer.values, atol=TOL,
+                                   rtol=TOL)
+
+
 def test_hugging_face_dropout_with_gradient_checkpointing(s2):
     """GPT-2 with its default dropout (0.1) and ``gradient_checkpointing_enable()``, the
     usual fine-tuning setup (it used to be refused): the recomputation reuses the

@@ -378,6 +378,38 @@ def test_dataclass_and_nested_outputs_keep_their_structure(s4):
     assert torch.equal(out.hidden[1]["deep"].torch(), x - 1)
 
 
+class _Stats:
+    """A plain class (no dataclass, no pytree node) that holds tensors."""
+
+    def __init__(self, total, parts, label):
+        self.total, self.parts, self.label = total, parts, label
+
+
+class _Layer:
+    def __init__(self, keys):
+        self.keys = keys
+
+
+def test_an_object_holding_tensors_comes_back_holding_arrays(s4):
+    """An output object that is no pytree node but holds tensors in its attributes (a
+    user's class, a Hugging Face cache of layer objects) comes back as an object of
+    its class whose tensors are Arrays with torch's values: it used to come back as
+    the traced object, holding the trace's fake tensors, whose reads failed."""
+    @pw.program
+    def summarize(x):
+        return x + 1, _Stats(x.sum(), [_Layer(x * 3), {"k": x - 1}], "static")
+
+    x = torch.arange(4.0)
+    y, st = summarize(pw.put(x, s4))
+    assert torch.equal(y.torch(), x + 1)
+    assert type(st) is _Stats and st.label == "static"
+    assert isinstance(st.total, pw.Array) and float(st.total) == 6.0
+    assert type(st.parts[0]) is _Layer and torch.equal(st.parts[0].keys.torch(), x * 3)
+    assert torch.equal(st.parts[1]["k"].torch(), x - 1)
+    _, again = summarize(pw.put(x + 1, s4))            # each call builds its own object
+    assert again is not st and float(again.total) == 10.0 and float(st.total) == 6.0
+
+
 def test_dropout_inside_activation_checkpointing_reuses_the_forwards_masks(s4):
     """torch recomputes a checkpointed block with the forward's RNG state, so the
     recomputation draws the forward's dropout masks. The program's recomputation takes

@@ -1665,6 +1665,56 @@ def sgd(m):
     return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
 
 
+@pytest.mark.parametrize("norm", ["bn1d", "bn2d", "sync"])
+@pytest.mark.parametrize("strat", ["dp", "fsdp"])
+def test_batch_norms_cumulative_average_trains_as_in_torch(s2, norm, strat):
+    """``momentum=None`` (the running statistics as a cumulative average: torch divides
+    by ``float(num_batches_tracked)``, a read of a value) used to refuse every step
+    with a DataDependentError; now it trains, and the statistics equal torch's."""
+    torch.manual_seed(0)
+    if norm == "bn2d":
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None),
+                              nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 4))
+        g = torch.Generator().manual_seed(3)
+        data = [(torch.randn(8, 3, 4, 4, generator=g), torch.randint(0, 4, (8,), generator=g))
+                for _ in range(4)]
+    else:
+        bn = nn.SyncBatchNorm if norm == "sync" else nn.BatchNorm1d
+        model = nn.Sequential(nn.Linear(8, 16), bn(16, momentum=None), nn.ReLU(),
+                              nn.Linear(16, 4))
+        data = batches(4, seed=3)
+    ref = copy.deepcopy(model)
+    want, _ = torch_train(ref, sgd(ref), data)
+    tr = pw.Trainer(model, sgd(model), F.cross_entropy, slice=s2, parallelism=strategy(strat))
+    got = [float(tr.step(x, y)) for x, y in data]
+    assert_losses(got, want)
+    trained = tr.sync_to(copy.deepcopy(model))
+    assert_same_model(trained, ref)             # running mean and var, the count
+    assert int(trained[1].num_batches_tracked) == 4
+    model.eval(), ref.eval()
+    torch.testing.assert_close(model(data[0][0]), ref(data[0][0]), rtol=TOL, atol=TOL)
+
+
+def test_anomaly_detection_traces_without_its_nan_check_and_says_so(s2):
+    """Under ``torch.autograd.set_detect_anomaly(True)`` torch checks each gradient for
+    NaN, reading its values: every step used to fail with a DataDependentError naming
+    no line. Steps now trace without that check and train as torch does; one warning,
+    at the script's line, says the check is off inside programs."""
+    from pathways_torch.client import torch_paths
+    model, data = mlp(seed=4), batches(3, seed=4)
+    ref = copy.deepcopy(model)
+    torch_paths._ANOMALY_WARNED = False
+    with torch.autograd.set_detect_anomaly(True):
+        want, _ = torch_train(ref, sgd(ref), data)
+        tr = pw.Trainer(model, sgd(model), F.cross_entropy, slice=s2)
+        with pytest.warns(UserWarning, match=r"check_nan=False.*nan instead") as caught:
+            got = [float(tr.step(x, y)) for x, y in data]
+        assert torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
+    assert_losses(got, want)
+    ours = [w for w in caught if "check_nan" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__
+
+
 def torch_averaged(make, kw, data):
     ref = make()
     opt, avg = sgd(ref), swa.AveragedModel(ref, **kw)

@@ -136,15 +136,25 @@ _LIBRARY = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__f
 
 
 def _user_line(e: BaseException) -> str:
-    """' at file:line: code' of the innermost frame of ``e`` outside torch and
-    pathways_torch (the user's line that made the read), or ''."""
+    """', at file:line: code' of the innermost frame of ``e`` outside torch and
+    pathways_torch (the user's line that made the read); when the read is in torch's
+    own code with none of the user's around it (a module of torch.nn called by
+    another), its innermost frame there; or ''."""
     import traceback
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith(_LIBRARY) and "<" not in f.filename]
-    if not frames:
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "<" not in f.filename]
+    user = [f for f in frames if not f.filename.startswith(_LIBRARY)]
+    if user:
+        f = user[-1]
+        return f", at {os.path.basename(f.filename)}:{f.lineno}: {(f.line or '').strip()}"
+    torch_dir = _LIBRARY[0]
+    # torch's public modules (torch/nn/...), not its machinery (torch/_subclasses/...)
+    theirs = [f for f in frames if f.filename.startswith(torch_dir) and not any(
+        part.startswith("_") for part in os.path.relpath(f.filename, torch_dir).split(os.sep))]
+    if not theirs:
         return ""
-    f = frames[-1]
-    return f", at {os.path.basename(f.filename)}:{f.lineno}: {(f.line or '').strip()}"
+    f = theirs[-1]
+    where = os.path.relpath(f.filename, os.path.dirname(torch_dir))
+    return f", in torch's own code at {where}:{f.lineno}: {(f.line or '').strip()}"
 
 
 _VALUE_READS = {
@@ -346,6 +356,7 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args,
         args, kwargs = build_args(list(tensors))
         out = fn(*args, **kwargs)
         _register_dataclasses(out)
+        out = _open_objects(out)
         leaves, tree = pytree.tree_flatten(out)
         info["tree"] = tree
         info["statics"] = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -434,6 +445,55 @@ def _register_dataclasses(value, depth: int = 0) -> None:
         return
     for c in children:
         _register_dataclasses(c, depth + 1)
+
+
+class _Opened:
+    """An output object that is no pytree node but holds tensors in its attributes (a
+    Hugging Face ``DynamicCache``, a user's class), as a pytree node: its attributes'
+    tensors become outputs of the program, and the caller gets an object of the same
+    class whose attributes hold the Arrays (built without calling its ``__init__``).
+    Without it the object came back as a static, holding the trace's fake tensors."""
+
+    __slots__ = ("cls", "names", "values")
+
+    def __init__(self, cls: type, names: tuple, values: list) -> None:
+        self.cls, self.names, self.values = cls, names, values
+
+
+def _rebuild(values, context):
+    cls, names = context
+    obj = cls.__new__(cls)
+    obj.__dict__.update(zip(names, values))
+    return obj
+
+
+pytree.register_pytree_node(_Opened, lambda o: (o.values, (o.cls, o.names)), _rebuild)
+
+
+def _holds_tensors(value, depth: int) -> bool:
+    if depth > 8:
+        return False
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            return True
+        attrs = getattr(leaf, "__dict__", None)
+        if (isinstance(attrs, dict) and not isinstance(leaf, (type, torch.nn.Module))
+                and _holds_tensors(list(attrs.values()), depth + 1)):
+            return True
+    return False
+
+
+def _open_objects(out, depth: int = 0):
+    """``out`` with every leaf object that holds tensors in its attributes (at any
+    depth, through lists, dicts and other such objects) made an ``_Opened`` node."""
+    def open_one(leaf):
+        attrs = getattr(leaf, "__dict__", None)
+        if (depth > 8 or isinstance(leaf, (torch.Tensor, type, torch.nn.Module))
+                or not isinstance(attrs, dict) or not _holds_tensors(list(attrs.values()), 0)):
+            return leaf
+        names = tuple(attrs)
+        return _Opened(type(leaf), names, [_open_objects(attrs[n], depth + 1) for n in names])
+    return pytree.tree_map(open_one, out)
 
 
 def _lift_input_mutations(gm) -> List[int]:

@@ -29,6 +29,14 @@ a CPU, some of which XLA cannot lower:
   place, so autograd differentiates ops XLA has.
 - **torch.distributions' argument checks** read values (``validate_args`` is on by
   default): off by default while tracing; the numbers are the same.
+- **Anomaly detection's NaN check** (``torch.autograd.set_detect_anomaly(True)``)
+  reads every gradient's values in the backward: while tracing, anomaly mode stays on
+  without it (``check_nan=False``), and a warning says so once. A NaN then shows in the
+  loss, or in ``Trainer.grad_norm``.
+- **BatchNorm's cumulative average** (``momentum=None``; ``SyncBatchNorm`` too, which
+  in a client without torch.distributed is a BatchNorm) divides by
+  ``float(num_batches_tracked)``, a read: the running statistics are updated by the
+  same formula with the count as a tensor (``_cumulative_batch_norm``).
 - **Reentrant activation checkpointing** (``checkpoint(..., use_reentrant=True)``,
   torch's default when the argument is left out) recomputes inside a backward that
   refuses ``torch.autograd.grad``, which the step uses. It runs as the non-reentrant
@@ -99,11 +107,19 @@ def traceable() -> Iterator[None]:
     validate = Distribution._validate_args
     reentrant = vars(ckpt.CheckpointFunction).get("apply")     # None: autograd.Function's
     formulas = lowerings.above_autograd()
+    norms = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.SyncBatchNorm)
+    norm_forwards = [vars(cls)["forward"] for cls in norms]
+    anomaly = contextlib.nullcontext()
+    if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+        _warn_anomaly()
+        anomaly = torch.autograd.set_detect_anomaly(True, check_nan=False)
     # F.embedding_bag's torch-function dispatch names the module's global, which is
     # dense_embedding_bag while this block runs
     formulas[dense_embedding_bag] = formulas[embedding_bag]
-    with tc.set_stance("force_eager"), cpu_autocast, _Formulas(formulas):
+    with tc.set_stance("force_eager"), cpu_autocast, _Formulas(formulas), anomaly:
         Distribution.set_default_validate_args(False)
+        for cls, norm_forward in zip(norms, norm_forwards):
+            cls.forward = _cumulative_batch_norm(norm_forward)
         ckpt.CheckpointFunction.apply = staticmethod(_non_reentrant)
         torch._C._set_mkldnn_enabled(False)
         torch.backends.mha.set_fastpath_enabled(False)
@@ -113,6 +129,8 @@ def traceable() -> Iterator[None]:
             yield
         finally:
             F.embedding, F.embedding_bag = embedding, embedding_bag
+            for cls, norm_forward in zip(norms, norm_forwards):
+                cls.forward = norm_forward
             encoder.forward = original
             torch.backends.mha.set_fastpath_enabled(fastpath)
             torch._C._set_mkldnn_enabled(mkldnn)
@@ -121,6 +139,44 @@ def traceable() -> Iterator[None]:
                 del ckpt.CheckpointFunction.apply
             else:
                 ckpt.CheckpointFunction.apply = reentrant
+
+
+_ANOMALY_WARNED = False
+
+
+def _warn_anomaly() -> None:
+    global _ANOMALY_WARNED
+    if not _ANOMALY_WARNED:
+        _ANOMALY_WARNED = True
+        from ..errors import warn_at_caller
+        warn_at_caller(
+            "torch.autograd.set_detect_anomaly(True) checks every gradient for NaN by "
+            "reading its values, which a traced program cannot do: pathways_torch "
+            "programs run with check_nan=False. Watch the loss (or Trainer.grad_norm "
+            "with max_grad_norm=float('inf')) for nan instead", UserWarning)
+
+
+def _cumulative_batch_norm(forward):
+    """``_BatchNorm.forward`` whose cumulative moving average (``momentum=None``, in
+    training with running statistics) takes its factor ``1 / num_batches_tracked`` as
+    a tensor: torch's reads the count with ``float()``. The output is the batch's
+    normalization, as there; the statistics get torch's update (the variance
+    unbiased)."""
+    def cumulative(self, input):
+        if not (self.momentum is None and self.training and self.track_running_stats
+                and self.num_batches_tracked is not None):
+            return forward(self, input)
+        self._check_input_dim(input)
+        self.num_batches_tracked.add_(1)
+        out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        with torch.no_grad():
+            dims = [d for d in range(input.dim()) if d != 1]
+            x = input.detach().to(self.running_mean.dtype)
+            f = 1.0 / self.num_batches_tracked.to(x.dtype)
+            self.running_mean.mul_(1 - f).add_(x.mean(dims) * f)
+            self.running_var.mul_(1 - f).add_(x.var(dims, correction=1) * f)
+        return out
+    return cumulative
 
 
 def _non_reentrant(function, preserve_rng_state, *args):
