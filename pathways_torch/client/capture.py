@@ -486,13 +486,20 @@ def _holds_tensors(value, depth: int) -> bool:
 def _open_objects(out, depth: int = 0):
     """``out`` with every leaf object that holds tensors in its attributes (at any
     depth, through lists, dicts and other such objects) made an ``_Opened`` node."""
-    def open_one(leaf):
+    def opens(leaf) -> bool:
         attrs = getattr(leaf, "__dict__", None)
-        if (depth > 8 or isinstance(leaf, (torch.Tensor, type, torch.nn.Module))
-                or not isinstance(attrs, dict) or not _holds_tensors(list(attrs.values()), 0)):
+        return not (depth > 8 or isinstance(leaf, (torch.Tensor, type, torch.nn.Module))
+                    or not isinstance(attrs, dict)
+                    or not _holds_tensors(list(attrs.values()), 0))
+
+    def open_one(leaf):
+        if not opens(leaf):
             return leaf
+        attrs = vars(leaf)
         names = tuple(attrs)
         return _Opened(type(leaf), names, [_open_objects(attrs[n], depth + 1) for n in names])
+    if not any(opens(leaf) for leaf in pytree.tree_leaves(out)):
+        return out                  # rebuilt by tree_map only when something opens
     return pytree.tree_map(open_one, out)
 
 
