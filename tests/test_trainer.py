@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pathways_torch as pw
 from pathways_torch import P
@@ -376,6 +377,40 @@ def test_a_stage_backward_that_would_redraw_dropout_is_refused(cluster8, monkeyp
             s.release()
 
 
+@pytest.mark.parametrize("bounds", [[(0, 3), (3, 6)], [(0, 4), (4, 6)]],
+                         ids=["batch_norm_in_the_last_stage", "in_the_first"])
+def test_pipeline_batch_norm_statistics_move_in_micro_batch_order(pipe_slices, bounds):
+    """GPipe's semantics: each micro-batch normalised by itself, and the running
+    statistics updated micro-batch after micro-batch, as torch's loop over them does.
+    The last stage computes its forward inside its backward program, and the backwards
+    ran in reverse: its statistics moved in reverse order (8.7e-3 off)."""
+    m_count = 4
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g))
+            for _ in range(3)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        for xj, yj in zip(x.chunk(m_count), y.chunk(m_count)):
+            (F.cross_entropy(ref(xj), yj) / m_count).backward()
+        opt.step()
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                    parallelism=pw.Pipeline(bounds, m_count, pipe_slices))
+    for x, y in data:
+        tr.step(x, y)
+    got = tr.sync_to(copy.deepcopy(model))
+    for (n, a), b in zip(got.state_dict().items(), ref.state_dict().values()):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda e, n=n: f"{n}: {e}")
+        else:
+            assert torch.equal(a, b), n
+
+
 def test_pipeline_needs_a_sequential_and_enough_slices(cluster8):
     s = pw.slice((1,))
     try:
@@ -387,6 +422,14 @@ def test_pipeline_needs_a_sequential_and_enough_slices(cluster8):
             m = deep_model()
             pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1), loss_fn,
                        parallelism=pw.Pipeline(2, 2, [s]))
+        # stage bounds that overlap, leave a gap, start late or end early: said at once
+        # (they used to pass, and the first step failed with a bare KeyError)
+        for bounds in ([(0, 2), (1, 4)], [(0, 1), (2, 4)], [(1, 2), (2, 4)],
+                       [(0, 2), (2, 3)], [(0, 2), (2, 2), (2, 4)]):
+            m = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+            with pytest.raises(pw.PathwaysError, match=r"consecutive, non-empty"):
+                pw.Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1), loss_fn,
+                           parallelism=pw.Pipeline(bounds, 2, [s] * len(bounds)))
         # one buffer in two stages (tied parameters are lent: test_trainer_knobs.py)
         m = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Tanh(),
                                 torch.nn.BatchNorm1d(4))

@@ -628,6 +628,47 @@ def test_two_trainers_training_a_shared_encoder_in_turns_equal_torch(s2):
     assert_same_model(nn.ModuleList([enc2, ha2, hb2]), nn.ModuleList([enc, ha, hb]))
 
 
+@pytest.mark.parametrize("reads", [False, True], ids=["unread", "state_read_each_step"])
+@pytest.mark.parametrize("second", ["built_at_once", "built_later"])
+def test_two_trainers_sharing_a_model_and_its_optimizer_carry_its_state(s2, reads, second):
+    """Two Trainers on one model and one optimizer, stepped in turns (A, A, B, B, A, A,
+    B, A): each step starts from the last update's weights *and* optimizer state
+    (momentum), as one torch loop would. The momentum used to stay the stepping
+    Trainer's own: its step after the other's was off by 3e-2. Read through
+    ``optimizer.state``, the momentum is that of the Trainer that stepped last."""
+    data = batches(8)
+    order = "AABBAABA"
+    model = mlp()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    want = torch_run(ref, ref_opt, data)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tr = {"A": trainer(model, opt, s2)}
+    if second == "built_at_once":
+        tr["B"] = trainer(model, opt, s2)
+    got = []
+    for who, (x, y) in zip(order, data):
+        if who not in tr:
+            tr[who] = trainer(model, opt, s2)
+        got.append(float(tr[who].step(x, y)))
+        if reads:
+            torch.testing.assert_close(opt.state[model[0].weight]["momentum_buffer"],
+                                       _momentum_after(data[:len(got)]), rtol=TOL, atol=TOL)
+    assert_losses(got, want)
+    assert_same_model(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"],
+                                   ref_opt.state[q]["momentum_buffer"], rtol=TOL, atol=TOL)
+
+
+def _momentum_after(data):
+    """The first layer's momentum after plain torch's steps on ``data``."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch_run(model, opt, data)
+    return opt.state[model[0].weight]["momentum_buffer"]
+
+
 def test_a_parameter_resized_in_place_after_steps_fails_as_torch_does(s2):
     """``p.data = bigger`` (Hugging Face's ``resize_token_embeddings``) after the
     optimizer made state for ``p``: torch's next step fails on the state's shape, and

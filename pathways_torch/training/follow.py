@@ -38,6 +38,7 @@ seen.
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 import warnings
 import weakref
@@ -446,14 +447,52 @@ def _sync_sharers(tr) -> None:
         return
     _SHARING.add(id(tr))
     try:
+        newer = []
         for other in list(_WATCHES):
             t = other.owner()
-            if t is None or id(t) in _SHARING or t._synced == t._version or t._closed:
+            if t is None or id(t) in _SHARING or t._closed:
                 continue
-            if other.stale(t) & tr._watch.ids:
+            if t._synced != t._version and other.stale(t) & tr._watch.ids:
                 t._sync_if_stale(optimizer=False)
+            if t._step_clock > tr._state_clock:
+                newer.append(t)
+        # One optimizer for both (a second Trainer on the same model and optimizer):
+        # its state is the last update's, whichever Trainer made it, as in a torch loop.
+        for t in sorted(newer, key=lambda t: t._step_clock):
+            shared = _shared_state(t, tr)
+            if shared:
+                push_state(tr, [], shared)
+                tr._state_clock = t._step_clock
     finally:
         _SHARING.discard(id(tr))
+
+
+_CLOCK = itertools.count(1)
+
+
+def tick() -> int:
+    """A number larger than every earlier one: when a Trainer stepped, or took the
+    optimizer's state (``_step_clock``, ``_state_clock``)."""
+    return next(_CLOCK)
+
+
+def _shared_state(t, tr) -> Dict[str, List[str]]:
+    """The parameters of ``tr`` that ``t`` trains with the same torch optimizer, with
+    the keys of their state (after ``t`` synced it into that optimizer)."""
+    theirs = {id(o) for o in fopt.members(t.optimizer)}
+    if not any(id(o) in theirs for o in fopt.members(tr.optimizer)):
+        return {}
+    held = {id(p) for p in t._held.values()}
+    names = [n for n in tr.states[0] if id(tr._held[n]) in held]
+    if not names:
+        return {}
+    t._sync_if_stale(optimizer=True)
+    out = {}
+    for n in names:
+        st = _torch_state(tr, n)
+        if st:
+            out[n] = [k for k, v in st.items() if isinstance(v, torch.Tensor)]
+    return out
 
 
 _SHARING: Set[int] = set()     # Trainers in _sync_sharers (two that share, in turn)

@@ -70,10 +70,13 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
                 acts[j][k] = h
                 if k < last:
                     h, saved[j][k] = fwd[k](params[k], fixed[k], h)
-        # ... then all backwards, in reverse, accumulating gradients per stage.
+        # ... then all backwards, accumulating gradients per stage. In micro-batch
+        # order: the last stage computes its forward inside its backward program, so
+        # its buffers (BatchNorm's running statistics) move in the order torch's loop
+        # over micro-batches moves them.
         acc: List[Optional[dict]] = [None] * len(stages)
         losses = []
-        for j in reversed(range(m)):
+        for j in range(m):
             y = _place_batch(ys[j], slices[last], axis)
             gx, acc[last], loss = last_bwd(params[last], fixed[last], acts[j][last], y,
                                            acc[last] if acc[last] is not None else {},
@@ -221,6 +224,15 @@ def _split_stages(model: torch.nn.Module, pipe: Pipeline):
         bounds = [(n * k // s, n * (k + 1) // s) for k in range(s)]
     else:
         bounds = [tuple(b) for b in pipe.stages]
+        ends = [0] + [b for _, b in bounds]
+        if (not bounds or any(len(b) != 2 for b in bounds)
+                or any(a != ends[k] or b <= a for k, (a, b) in enumerate(bounds))
+                or ends[-1] != n):
+            raise PathwaysError(
+                f"pw.Pipeline stage bounds {pipe.stages!r} must cut the model's {n} layers "
+                "into consecutive, non-empty (start, end) ranges from 0 to "
+                f"{n}, each starting where the last ended: e.g. [(0, {n // 2}), "
+                f"({n // 2}, {n})]")
     if len(bounds) != len(pipe.slices):
         raise PathwaysError(f"{len(bounds)} stages need {len(bounds)} slices, got "
                             f"{len(pipe.slices)}")

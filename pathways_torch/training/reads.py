@@ -217,11 +217,11 @@ class SyncedState(collections.defaultdict):
     (``optimizer.state[p]["exp_avg"]``, a logger of Adam's step count) syncs the
     Trainer's optimizer state first. Pickles and copies as a plain defaultdict."""
 
-    __slots__ = ("ref", "touched")
+    __slots__ = ("refs", "touched")
 
-    def __init__(self, state, ref) -> None:
+    def __init__(self, state, refs: List) -> None:
         super().__init__(dict, state)
-        self.ref = ref
+        self.refs = refs                # the Trainers of this optimizer (weak references)
         self.touched: set = set()       # ids of parameters whose state the script set
 
     def _touch(self, key) -> None:
@@ -250,10 +250,13 @@ class SyncedState(collections.defaultdict):
         collections.defaultdict.clear(self)
 
     def _read(self) -> None:
-        t = self.ref()
-        if t is not None and not _QUIET and t._opt_synced != t._version \
-                and not torch.compiler.is_dynamo_compiling():
-            t._sync_if_stale()
+        if _QUIET or torch.compiler.is_dynamo_compiling():
+            return
+        live = [t for t in (r() for r in self.refs) if t is not None]
+        if live:            # the state is that of the Trainer that stepped last
+            t = max(live, key=lambda t: t._step_clock)
+            if t._opt_synced != t._version:
+                t._sync_if_stale()
 
     def __getitem__(self, key):
         self._read()
@@ -281,7 +284,10 @@ def cover_state(trainer: Any) -> None:
     ``optimizer.load_state_dict`` replaced it)."""
     for o in fopt.members(trainer.optimizer):
         if not isinstance(o.state, SyncedState):
-            o.state = SyncedState(o.state, trainer._self_ref)
+            o.state = SyncedState(o.state, [trainer._self_ref])
+        elif all(r is not trainer._self_ref for r in o.state.refs):
+            o.state.refs[:] = [r for r in o.state.refs if r() is not None]
+            o.state.refs.append(trainer._self_ref)
 
 
 def _grad_readers() -> dict:

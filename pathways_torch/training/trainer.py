@@ -101,6 +101,10 @@ class Trainer:
                  scaler: Optional["torch.amp.GradScaler"] = None) -> None:
         model = _uncompiled(model)
         reads.sync_others(model, follow._WATCHES)    # a Trainer before this one on it
+        # this Trainer starts from the optimizer's state as of now; it takes a later
+        # step's state from another Trainer that shares the optimizer (follow.py)
+        self._step_clock = 0
+        self._state_clock = follow.tick()
         if isinstance(optimizer, (list, tuple)):
             optimizer = fopt.Chain(optimizer)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
@@ -475,6 +479,7 @@ class Trainer:
             self.micro = 0
         self.steps += 1
         self._version += 1
+        self._step_clock = self._state_clock = follow.tick()
         if self._ema is not None:
             self._ema.update()
         for opt in fopt.members(self.optimizer):
