@@ -618,7 +618,7 @@ def dispatch_ops(draw, env, kinds=tuple(UNITS)):
         return ops, {out: kinds}
     if kind == "execute":
         flaw = draw(st.sampled_from(["unknown", "inputs", "outputs", "dtype", "shape",
-                                     "live", "self", "donate"]))
+                                     "live", "self", "donate", "carry"]))
         x = pb.ExecuteOp(program_id="fuzz-mm", inputs=[LIVE, LIVE], outputs=[out])
         if flaw == "unknown":
             x.program_id = draw(st.text(max_size=12).filter(lambda s: s != "fuzz-mm"))
@@ -635,6 +635,8 @@ def dispatch_ops(draw, env, kinds=tuple(UNITS)):
             x.outputs[:] = [LIVE]
         elif flaw == "self":
             x.inputs[1] = out
+        elif flaw == "carry":
+            x.carry[:] = draw(st.sampled_from([[3], [1, 0], [0, 0, 9]]))
         else:
             x.donate[:] = draw(st.sampled_from([[2], [0, 0], [1, 7]]))
         return [pb.Op(execute=x)], {b: {"input"} for b in x.outputs if b != LIVE}

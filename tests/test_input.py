@@ -285,6 +285,76 @@ def test_dataset_errors_are_typed_and_the_cluster_stays_usable(islands):
     assert torch.equal(pw.put(torch.ones(3), s).torch(), torch.ones(3))
 
 
+@pytest.mark.parametrize("strategy", ["dp", "pipeline"])
+def test_a_step_on_a_batch_that_failed_to_load_leaves_the_trainer_as_it_was(islands,
+                                                                            strategy):
+    """A loop that catches the DataLoaderError of a batch whose sample raised and goes
+    on trains as torch's loop that skips that batch: the step that took it leaves the
+    weights and the optimizer's state as they were, and its loss says why. The failed
+    batch used to fail every buffer the step updated, so every later step and every
+    read of the module raised it again, and the training was lost."""
+    import copy
+    s = islands[0]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    make_opt = lambda m: torch.optim.Adam(m.parameters(), lr=0.05)
+    if strategy == "pipeline":          # a stage on each island
+        tr = pw.Trainer(model, make_opt(model), torch.nn.functional.mse_loss,
+                        parallelism=pw.Pipeline(2, 2, islands))
+    else:
+        tr = pw.Trainer(model, make_opt(model), torch.nn.functional.mse_loss, slice=s,
+                        parallelism=pw.DataParallel("data"))
+    try:
+        loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 32, "bad": 13},
+                               batch_size=4, slice=tr)
+        data, ref_opt = loader_data.Rows(n=32), make_opt(ref)
+        got, want, failed = [], [], []
+        for i, (x, y) in enumerate(loader):
+            try:
+                got.append(float(tr.step(x, y)))
+            except pw.DataLoaderError as e:
+                failed.append((i, str(e)))
+                continue
+            ref_opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ref(data.x[4 * i:4 * i + 4]),
+                                                data.y[4 * i:4 * i + 4])
+            loss.backward()
+            ref_opt.step()
+            want.append(loss.item())
+        assert [i for i, _ in failed] == [3] and "index 13" in failed[0][1]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+    finally:
+        del tr
+
+
+def test_a_program_that_cannot_run_leaves_the_inputs_it_updates_in_place(islands):
+    """An in-place update whose program did not run (an input failed) leaves its
+    tensor as it was, as in torch, where the exception comes before the update; the
+    program's outputs carry the failure."""
+    s = islands[0]
+
+    @pw.program
+    def accumulate(total, x):
+        total.add_(x.sum(0))
+        return x.mean()
+
+    total = pw.put(torch.ones(8), s)
+    loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 8, "bad": 5},
+                           batch_size=4, slice=s)
+    good, bad = [x for x, _ in loader]
+    mean = accumulate(total, bad)
+    with pytest.raises(pw.DataLoaderError, match="index 5"):
+        mean.torch()
+    assert torch.equal(total.torch(), torch.ones(8))
+    accumulate(total, good)
+    assert torch.equal(total.torch(), 1 + loader_data.Rows(n=8).x[:4].sum(0))
+
+
 # ---------------------------------------------------------------- streams
 def stream_reference(n, batch_size, num_workers=0, drop_last=False):
     """torch's own DataLoader over the same IterableDataset."""

@@ -158,6 +158,11 @@ def test_executions_against_the_compiled_program():
             ([1, 2], [9], [0, 0], "donated")]:
         refused(V.check_execute, pb.ExecuteOp(inputs=inputs, outputs=outputs,
                                               donate=donate), Prog, entries, match=what)
+    # carry: one entry per output, each 0 or 1 + an input's position
+    V.check_execute(pb.ExecuteOp(inputs=[1, 2], outputs=[9], carry=[2]), Prog, entries)
+    for carry in ([3], [1, 0]):
+        refused(V.check_execute, pb.ExecuteOp(inputs=[1, 2], outputs=[9], carry=carry),
+                Prog, entries, match="carry")
 
 
 def test_ops_of_the_stream():

@@ -26,7 +26,7 @@ import functools
 import itertools
 import threading
 import warnings
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -61,7 +61,7 @@ class _Fast:
     so the call skips flattening, keys, tracing-cache and compile-cache lookups
     (docs/architecture.md, Decision 20)."""
     __slots__ = ("program_id", "outs", "kept", "origin", "single", "static", "tree",
-                 "name", "donate", "mutated", "written", "puts", "rng", "traced")
+                 "name", "donate", "mutated", "written", "puts", "rng", "traced", "carry")
 
     def __init__(self, traced: Traced, compiled: _Compiled, origin: str, name: str,
                  donate: tuple, puts: bool) -> None:
@@ -76,6 +76,7 @@ class _Fast:
         self.donate = donate                    # input positions donated
         self.mutated = traced.mutated_inputs    # input positions updated in place
         self.written = traced.written_by        # output -> the input it updates
+        self.carry = _carry(traced)
         self.puts = puts                        # CPU tensors among the inputs
         self.rng = traced.rng                   # a seed is drawn and put per call
         self.traced = traced if traced.sources else None    # to check for staleness
@@ -86,6 +87,15 @@ class _Fast:
         it = iter(arrays)
         return pytree.tree_unflatten([next(it) if s is TENSOR else s for s in self.static],
                                      self.tree)
+
+
+def _carry(traced: Traced) -> List[int]:
+    """ExecuteOp.carry: per output, 1 + the input it is the new value of, or 0 (empty
+    for a program that updates no input in place)."""
+    written = traced.written_by
+    if not written:
+        return []
+    return [written[o] + 1 if o in written else 0 for o in range(len(traced.out_avals))]
 
 
 _MISS = object()
@@ -262,7 +272,7 @@ class Program:
         out_ids = [new_id() for _ in f.outs]
         seq = conn.send(pb.Op(execute=pb.ExecuteOp(
             program_id=f.program_id, inputs=[a._id for a in inputs], outputs=out_ids,
-            donate=donate)))
+            donate=donate, carry=f.carry)))
         for k in donate:
             if k not in f.mutated:
                 inputs[k]._donated = f.name
@@ -426,7 +436,7 @@ class Program:
         out_ids = [conn.new_id() for _ in traced.out_avals]
         seq = conn.send(pb.Op(execute=pb.ExecuteOp(
             program_id=compiled.program_id, inputs=[a._id for a in inputs],
-            outputs=out_ids, donate=donate)))
+            outputs=out_ids, donate=donate, carry=_carry(traced))))
         written = traced.written_by
         for k in donate:
             if k not in mutated:

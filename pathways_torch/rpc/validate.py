@@ -345,6 +345,10 @@ def check_execute(op, prog, entries) -> None:
         if len(set(donate)) != len(donate) or max(donate) >= len(want):
             raise _bad(f"program '{prog.name}': donated positions {donate[:16]} repeat or "
                        f"exceed the {len(want)} inputs")
+    if op.carry and (len(op.carry) != len(outputs) or max(op.carry) > len(want)):
+        raise _bad(f"program '{prog.name}': carry names {len(op.carry)} outputs' inputs "
+                   f"(up to {max(op.carry)}); it needs one entry per output, each at most "
+                   f"the {len(want)} inputs")
     for k, b in enumerate(inputs):
         e = entries.get(b)
         if e is None or e.error is not None:

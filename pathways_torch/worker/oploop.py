@@ -232,8 +232,7 @@ class OpLoop:
             rec.add("execute", prog.name, t0, program=prog.name, buffer_ids=op.outputs,
                     detail=f"failed: {err.message}" if err is not None else "")
         if err is not None:
-            for b in op.outputs:
-                self.store.put(b, Entry(error=err))
+            self._not_run(op, err)
             return
         put = self.store.put
         for b, o, n, k in zip(op.outputs, outs, prog.out_nbytes, prog.out_shards):
@@ -243,6 +242,25 @@ class OpLoop:
                              f"'{prog.name}'; read that program's outputs instead", prog.name)
             put(op.inputs[k], Entry(None, gone, 0, prog.name))
         self.executed += 1
+
+    def _not_run(self, op, err) -> None:
+        """The outputs of an execution that did not run (``err``: an input failed, or
+        no room): each new value of an input updated in place (``op.carry``) keeps
+        that input's value, as a torch update that never ran leaves its tensor (a
+        training step whose batch failed to load leaves the weights and optimizer
+        state as they were, to go on with the next batch); the others fail with
+        ``err``."""
+        carry = op.carry
+        for o, b in enumerate(op.outputs):
+            e = self.store.get(op.inputs[carry[o] - 1]) if carry and carry[o] else None
+            if e is not None:
+                self._resolve(e)
+            if e is None or e.error is not None or e.donated or e.tensor is None:
+                self.store.put(b, Entry(error=err if e is None or e.error is None
+                                        else e.error))
+            else:   # the same buffer under the output's id: the client drops the input's
+                self.store.put(b, Entry(e.tensor, None, e.nbytes, e.origin, None,
+                                        e.shards, e.done))
 
     def _fuse(self, seg, op) -> bool:
         """Add an execution to ``seg`` (launched at ``_flush``); False for an op that
