@@ -270,9 +270,11 @@ class Program:
         conn = slice_._conn
         new_id = conn.new_id
         out_ids = [new_id() for _ in f.outs]
-        seq = conn.send(pb.Op(execute=pb.ExecuteOp(
-            program_id=f.program_id, inputs=[a._id for a in inputs], outputs=out_ids,
-            donate=donate, carry=f.carry)))
+        x = pb.ExecuteOp(program_id=f.program_id, inputs=[a._id for a in inputs],
+                         outputs=out_ids, donate=donate)
+        if f.carry:
+            x.carry.extend(f.carry)
+        seq = conn.send(pb.Op(execute=x))
         for k in donate:
             if k not in f.mutated:
                 inputs[k]._donated = f.name
