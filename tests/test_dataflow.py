@@ -315,6 +315,20 @@ def test_arrays_dropped_inside_a_graph_are_released_after_it(slices):
     assert a.stats().num_buffers == start
 
 
+def test_an_array_of_a_graph_block_that_raised_says_it_will_never_come(slices):
+    """A block that raised submits nothing; its Arrays said to leave the block, which
+    was already left."""
+    a = slices((1,), island=1)
+    with pytest.raises(KeyError):
+        with pw.graph():
+            y = affine(pw.put(torch.ones(3), a))
+            raise KeyError("bad batch")
+    with pytest.raises(pw.PathwaysError, match=r"block that raised KeyError.*never will "
+                                               r"be: run the block again"):
+        y.torch()
+    assert torch.equal(affine(pw.put(torch.ones(3), a)).torch(), torch.full((3,), 3.0))
+
+
 def test_graphs_that_feed_each_other(slices):
     a = slices((2,), island=0)
     y = pw.put(torch.zeros(4), a)

@@ -258,8 +258,13 @@ def test_dict_batches_and_drop_last(islands):
     batches = list(loader)
     assert len(batches) == 5 and set(batches[0]) == {"x", "y"}
     assert torch.equal(batches[-1]["x"].torch(), loader_data.Rows(n=21).x[16:20])
-    with pytest.raises(pw.ShardingError, match="drop_last=True"):
+    # the batch size divides: the dataset's length is what leaves a bad last batch
+    with pytest.raises(pw.ShardingError, match=r"21 samples leave 1 after the full "
+                                               r"batches of 4; pass drop_last=True"):
         pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 21}, batch_size=4,
+                      slice=s, spec=P("data"))
+    with pytest.raises(pw.ShardingError, match="use a batch_size divisible by 2"):
+        pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 21}, batch_size=3,
                       slice=s, spec=P("data"))
 
 

@@ -31,13 +31,19 @@ _submit_lock = threading.Lock()
 class SeqCell:
     """The stream position of ops recorded in a graph, known once it is submitted."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "dropped")
 
     def __init__(self) -> None:
         self.value: Optional[int] = None
+        self.dropped: Optional[BaseException] = None   # the error that ended the block
 
     def __int__(self) -> int:
         if self.value is None:
+            if self.dropped is not None:
+                raise PathwaysError(
+                    "this Array comes from a `with pw.graph():` block that raised "
+                    f"{type(self.dropped).__name__} ({self.dropped}), so nothing it "
+                    "recorded was submitted and it never will be: run the block again")
             raise PathwaysError(
                 "this Array comes from a pw.graph() that has not been submitted yet: "
                 "leave the `with pw.graph():` block before reading it")
@@ -107,6 +113,8 @@ class Graph:
             self.submit()
         else:
             self._keep.clear()
+            for cell in self._cells.values():
+                cell.dropped = exc
 
 
 def graph() -> Graph:

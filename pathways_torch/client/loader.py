@@ -250,11 +250,19 @@ class DataLoader:
             ways = t.parts * (t.slice.axis_size(t.axis) if t.axis else 1)
             if rows % ways:
                 what = "the last batch" if last else "a batch"
+                if last and rows != self._spec.batch_size:
+                    cause = (f"the dataset's {self._length} samples leave {rows} after "
+                             f"the full batches of {self._spec.batch_size}" if
+                             not self._iterable else "the stream ends there")
+                    fix = ("pass drop_last=True, or a dataset whose length leaves a "
+                           f"multiple of {ways} (or none) after the full batches")
+                else:
+                    cause, fix = "", f"use a batch_size divisible by {ways}"
                 raise ShardingError(
                     f"pw.DataLoader: {what} of {rows} samples does not cut into {ways} "
                     f"equal blocks ({t.parts} part(s) x the devices of axis "
-                    f"{t.axis!r} on {t.slice!r}); use a batch_size divisible by "
-                    f"{ways}" + (", or drop_last=True" if last else ""))
+                    f"{t.axis!r} on {t.slice!r})" + (f": {cause}" if cause else "") +
+                    f"; {fix}")
 
     # ------------------------------------------------------------------ batches
     def __len__(self) -> int:
