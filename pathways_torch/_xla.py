@@ -18,21 +18,31 @@ Example::
 
 from __future__ import annotations
 
-import sys
+import threading
 from types import ModuleType
 from typing import Callable, List
 
 
+_IMPORTED: List[ModuleType] = []
+_IMPORT_LOCK = threading.Lock()
+
+
 def import_torch_xla() -> ModuleType:
-    """``import torch_xla``, with torch.nn's GRU and clip_grad_norm_ left as they were."""
-    if "torch_xla" in sys.modules:
-        return sys.modules["torch_xla"]
-    import torch.nn as nn
-    gru, clip = nn.GRU, nn.utils.clip_grad_norm_
-    import torch_xla
-    nn.GRU = gru
-    nn.utils.clip_grad_norm_ = clip
-    return torch_xla
+    """``import torch_xla``, with torch.nn's GRU and clip_grad_norm_ left as they were.
+    Thread-safe: a second thread waits for the first's import to finish, rather than
+    taking the module from ``sys.modules`` half-initialised (two first traces at once
+    failed with "partially initialized module 'torch_xla'")."""
+    if _IMPORTED:
+        return _IMPORTED[0]
+    with _IMPORT_LOCK:
+        if not _IMPORTED:
+            import torch.nn as nn
+            gru, clip = nn.GRU, nn.utils.clip_grad_norm_
+            import torch_xla
+            nn.GRU = gru
+            nn.utils.clip_grad_norm_ = clip
+            _IMPORTED.append(torch_xla)
+    return _IMPORTED[0]
 
 
 def cpu_fallbacks(run: Callable[[], object]) -> List[str]:

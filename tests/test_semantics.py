@@ -61,6 +61,36 @@ def test_a_cpu_backward_before_init_does_not_break_tracing(tmp_path):
     assert "LOSSES" in out.stdout
 
 
+def test_two_threads_tracing_their_first_programs_at_once(tmp_path):
+    """The first trace imports torch_xla; a second thread tracing at the same time took
+    the half-imported module ("partially initialized module 'torch_xla'"), 3 runs of 3.
+    A fresh process, so that nothing imported torch_xla before."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import sys, threading, torch, pathways_torch as pw
+        pw.init(devices_per_host=2)
+        s = pw.slice((2,))
+        fns = [pw.program(lambda x: x * 2), pw.program(lambda x: x + 1)]
+        xs = [pw.put(torch.ones(4), s) for _ in fns]
+        got, errs = {}, []
+        def run(i):
+            try:
+                got[i] = fns[i](xs[i]).torch().tolist()
+            except Exception as e:
+                errs.append(repr(e))
+        ths = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        [t.start() for t in ths]
+        [t.join(240) for t in ths]
+        pw.shutdown()
+        print("GOT", got, errs)
+        sys.exit(0 if got == {0: [2.0] * 4, 1: [2.0] * 4} and not errs else 1)
+    """))
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+
+
 def test_trace_runs_as_under_torch_compile(s4):
     """Libraries take their trace-friendly paths (Hugging Face reads the mask's values
     unless it believes it is compiled) because is_compiling() is true while tracing."""
