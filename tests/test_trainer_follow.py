@@ -669,6 +669,43 @@ def _momentum_after(data):
     return opt.state[model[0].weight]["momentum_buffer"]
 
 
+class _Counting(nn.Module):
+    """A forward that updates a buffer in any mode (a call counter)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.a(x) * self.calls
+
+
+def test_a_buffer_that_evaluate_or_predict_updates_reads_as_in_torch(s2):
+    """A buffer a forward updates in eval mode: after ``predict`` or ``evaluate``, a
+    read of the module gives the updated value, as after torch's forward. The read used
+    to give the value of before them (only a step marked the module stale), and so did
+    ``model.state_dict()`` and ``torch.save(model)``."""
+    x, y = batches(1)[0]
+    model, ref = _Counting(), _Counting()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch_run(ref, ref_opt, [(x, y)])
+    tr = trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), s2)
+    tr.step(x, y)
+    assert float(model.calls) == 1.0
+    ref.eval()
+    with torch.no_grad():
+        want = ref(x)
+    torch.testing.assert_close(tr.predict(x).torch(), want, rtol=TOL, atol=TOL)
+    assert float(model.calls) == float(ref.calls) == 2.0
+    with torch.no_grad():
+        want_loss = F.cross_entropy(ref(x), y)
+    torch.testing.assert_close(float(tr.evaluate(x, y)), float(want_loss), rtol=TOL, atol=TOL)
+    assert float(model.state_dict()["calls"]) == float(ref.calls) == 3.0
+
+
 def test_a_parameter_resized_in_place_after_steps_fails_as_torch_does(s2):
     """``p.data = bigger`` (Hugging Face's ``resize_token_embeddings``) after the
     optimizer made state for ``p``: torch's next step fails on the state's shape, and

@@ -495,6 +495,7 @@ class Trainer:
         whole result, as ``step`` returns it)."""
         inputs, targets = plain_batch(inputs), plain_batch(targets)
         follow.follow(self)
+        buffers = self._buffer_ids()
         try:
             if isinstance(self.parallelism, Pipeline):
                 return pipeline_eval(self, inputs, targets)
@@ -504,6 +505,7 @@ class Trainer:
             return prog(self.replicas[0], self.fixed[0], _place_batch(inputs, s, axis),
                         _place_batch(targets, s, axis))
         finally:
+            self._buffers_updated(buffers)
             follow.after_call(self)
 
     @reads.internal
@@ -512,6 +514,7 @@ class Trainer:
         model's output structure (a tensor, a tuple, a dict, a ModelOutput)."""
         inputs = plain_batch(inputs)
         follow.follow(self)
+        buffers = self._buffer_ids()
         try:
             if isinstance(self.parallelism, Pipeline):
                 return pipeline_eval(self, inputs, None, outputs=True)
@@ -519,7 +522,22 @@ class Trainer:
             prog = self._program("predict", make_predict_fn(self.model, self.options))
             return prog(self.replicas[0], self.fixed[0], _place_batch(inputs, s, axis))
         finally:
+            self._buffers_updated(buffers)
             follow.after_call(self)
+
+    def _buffer_ids(self) -> Dict[str, Optional[int]]:
+        return {n: a._id for n, a in self.fixed[0].items()}
+
+    def _buffers_updated(self, before: Dict[str, Optional[int]]) -> None:
+        """After ``evaluate``/``predict``: a forward that updates a buffer in eval mode
+        (a call counter, a cache) wrote it back on the workers, so the module's copy is
+        stale: a read of the module then fetches it, as after a step. The optimizer's
+        state did not change."""
+        if any(a._id != before.get(n) for n, a in self.fixed[0].items()):
+            optimizer_current = self._opt_synced == self._version
+            self._version += 1
+            if optimizer_current:
+                self._opt_synced = self._version
 
     # ------------------------------------------------------------------ state
     @reads.internal
