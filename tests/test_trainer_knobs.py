@@ -641,6 +641,36 @@ def test_a_resume_mid_accumulation_keeps_the_schedule_and_the_summed_gradients(
     assert_same_model(tr2.sync_to(copy.deepcopy(fresh)), ref)
 
 
+def test_a_trainers_state_dict_leaves_out_non_persistent_buffers_as_torch_does(s2):
+    """``state_dict()["model"]`` loads into the module with load_state_dict's strict
+    check: like ``model.state_dict()``, it leaves out buffers registered
+    ``persistent=False`` (a rotary table, a counter), which it used to hold ("Unexpected
+    key(s)"); loading it back into a Trainer keeps their values."""
+    class WithTables(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = nn.Linear(8, 4)
+            self.register_buffer("rope", torch.arange(8.0), persistent=False)
+
+        def forward(self, x):
+            return self.a(x + self.rope)
+
+    model = WithTables()
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                    slice=s2)
+    x, y = batches(1)[0]
+    tr.step(x, y)
+    sd = tr.state_dict()
+    assert set(sd["model"]) == set(model.state_dict()) == {"a.weight", "a.bias"}
+    fresh = WithTables()
+    fresh.load_state_dict(sd["model"])               # strict
+    tr2 = pw.Trainer(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), F.cross_entropy,
+                     slice=s2)
+    tr2.load_state_dict(sd)
+    assert_losses([float(tr2.step(x, y))], [float(tr.step(x, y))])
+
+
 def test_accumulate_with_clipping(s2):
     k = 2
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)

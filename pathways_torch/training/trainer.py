@@ -553,6 +553,10 @@ class Trainer:
         """
         follow.follow(self)
         sd = self._state()
+        # as model.state_dict(): without the buffers registered persistent=False, so
+        # that sd["model"] loads into the module with load_state_dict's strict check
+        for n in _non_persistent(self.model):
+            sd["model"].pop(n, None)
         side = self._side()
         side.pop("ema_n", None)             # the "ema" entry holds it
         sd.update(side)
@@ -594,11 +598,13 @@ class Trainer:
         """Put a ``state_dict()`` back on the slices (layout as the strategy says)."""
         follow.follow(self, discard_stale=True)     # the layout the script made
         self._version += 1
+        transient = _non_persistent(self.model)     # not in a state_dict: kept as they are
         for r, home_of in enumerate(self._homes):
             for n in self.replicas[r]:
                 self.replicas[r][n] = put(sd["model"][n], home_of(n), self.param_specs[n])
             for n in self.fixed[r]:
-                self.fixed[r][n] = put(sd["model"][n], home_of(n), self.param_specs[n])
+                if n in sd["model"] or n not in transient:   # (a missing one: KeyError)
+                    self.fixed[r][n] = put(sd["model"][n], home_of(n), self.param_specs[n])
             for n, st in self.states[r].items():
                 for k in list(sd["optim"][n]):
                     t = sd["optim"][n][k]
@@ -1010,6 +1016,12 @@ class _Schedulers:
 # The keys of ``Trainer._side``: client-side state that ``state_dict`` holds beside the
 # arrays, and ``save`` writes as trainer.json.
 _SIDE = ("micro", "lrs", "scheduler", "numbers", "group_numbers")
+
+
+def _non_persistent(model: torch.nn.Module) -> set:
+    """The names of ``model``'s buffers registered with ``persistent=False``."""
+    return {f"{prefix}.{b}" if prefix else b for prefix, mod in model.named_modules()
+            for b in mod._non_persistent_buffers_set}
 
 
 def _plain(name: str) -> str:
