@@ -926,6 +926,49 @@ def test_precision_names_and_what_they_refuse(s2, pipe_slices):
         make(slice=s2, precision="bf16", scaler=torch.amp.GradScaler("cpu"))
 
 
+class _TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.a(x[:, :4]), self.b(x[:, 4:])
+
+
+def test_fp16_with_two_optimizers_skips_only_the_one_that_overflowed(s2):
+    """GradScaler checks each optimizer's gradients on their own: a step where only
+    ``b``'s overflow skips ``b``'s update and makes ``a``'s, and the scale backs off.
+    The Trainer used to skip both."""
+    loss_fn = lambda o, y: F.mse_loss(o[0], y) + o[1].mean()
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g))
+            for _ in range(4)]
+    data[1][0][:, 4:] *= 3e4            # only b's (scaled) gradients overflow in fp16
+    opts = lambda m: [torch.optim.SGD(m.a.parameters(), lr=0.1),
+                      torch.optim.SGD(m.b.parameters(), lr=0.1, momentum=0.9)]
+    ref = _TwoBranches()
+    ref_opts, ref_scaler = opts(ref), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    want = []
+    for x, y in data:
+        with torch.autocast("cpu", torch.float16):
+            loss = loss_fn(ref(x), y)
+        for o in ref_opts:
+            o.zero_grad()
+        ref_scaler.scale(loss).backward()
+        for o in ref_opts:
+            ref_scaler.step(o)
+        ref_scaler.update()
+        want.append(loss.item())
+    model = _TwoBranches()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    tr = pw.Trainer(model, opts(model), loss_fn, slice=s2, precision="fp16", scaler=scaler)
+    got = [float(tr.step(x, y)) for x, y in data]
+    assert_losses(got, want)
+    assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
+    assert tr.loss_scale == ref_scaler.get_scale() == 128.0
+
+
 @pytest.mark.parametrize("case", ["adam_clipped", "sgd_dampened"])
 def test_pipeline_fp16_with_loss_scaling_equals_torch_gradscaler(pipe_slices, case,
                                                                  tmp_path):

@@ -261,7 +261,8 @@ def clip_and_update(spec: Dict, groups: List[List[str]], options: Options, param
 
 def scaled_update(options: Options, scaler, params, states, grads,
                   update: Callable[[Dict[str, Any]], Dict],
-                  found: Optional[torch.Tensor] = None) -> Dict:
+                  found: Optional[torch.Tensor] = None,
+                  parts: Optional[List[List[str]]] = None) -> Dict:
     """``update(grads)`` (clipping and the optimizer step; it returns the state it
     created), under loss scaling as GradScaler runs it: on the unscaled gradients,
     undone where they overflowed, the scale updated after, and what it created marked
@@ -271,10 +272,22 @@ def scaled_update(options: Options, scaler, params, states, grads,
     if not options.scaling:
         return update(grads)
     grads, own = scaling.unscale(grads, scaler)
+    shared = found is not None
     found = own if found is None else found
     before = scaling.kept(params, states)
     created = update(grads)
-    scaling.skip_if(found, before, params, states)
+    if parts is not None and len(parts) > 1 and not shared:
+        # several optimizers (a list): GradScaler checks and skips each on its own
+        # gradients; the scale backs off if any of them overflowed
+        old_params, old_states = before
+        for names in parts:
+            scaling.skip_if(scaling.non_finite([grads.get(n) for n in names]),
+                            ({n: old_params[n] for n in names if n in old_params},
+                             {n: old_states[n] for n in names if n in old_states}),
+                            {n: params[n] for n in names if n in params},
+                            {n: states[n] for n in names if n in states})
+    else:
+        scaling.skip_if(found, before, params, states)
     scaling.update_scale(scaler, found, options.scaling)
     if set(created) - {GRAD_NORM}:      # state the update made (a read of found decides)
         created[FOUND_INF] = {"found": found}
@@ -344,9 +357,19 @@ def make_step_fn(model, loss_fn, spec: Dict, groups: List[List[str]], options: O
             hyper = hyper[0]        # beside it, the trace of the numbers (a key only)
         created = scaled_update(options, scaler, params, states, grads, lambda gs:
                                 clip_and_update(dict(spec, groups=hyper), groups, options,
-                                                params, gs, states, lrs))
+                                                params, gs, states, lrs),
+                                parts=member_parts(spec, groups))
         return returned(loss, rest), created
     return train_step
+
+
+def member_parts(spec: Dict, groups: List[List[str]]) -> List[List[str]]:
+    """The parameter names each optimizer of ``spec`` (one, or a list's) holds."""
+    parts, first = [], 0
+    for _, count, _ in spec.get("members", ()):
+        parts.append([n for g in groups[first:first + count] for n in g])
+        first += count
+    return parts
 
 
 def make_grad_fn(model, loss_fn, options: Options, flat: bool = False):

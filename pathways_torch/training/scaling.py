@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -76,6 +76,14 @@ def unscale(grads: Dict[str, Optional[torch.Tensor]], state: Dict[str, torch.Ten
     present = [g for g in grads.values() if g is not None]
     found = torch.stack([(~torch.isfinite(g)).any() for g in present]).any().float()
     return {n: (g * inv if g is not None else None) for n, g in grads.items()}, found
+
+
+def non_finite(grads: List[Optional[torch.Tensor]]) -> torch.Tensor:
+    """1.0 when any of ``grads`` holds an inf or a nan, else 0.0 (float32, 0-d)."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return torch.zeros(())
+    return torch.stack([(~torch.isfinite(g)).any() for g in present]).any().float()
 
 
 def kept(params: Dict[str, torch.Tensor], states: Dict[str, Dict[str, torch.Tensor]]):
