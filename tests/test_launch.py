@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,30 @@ def test_pathways_run_passes_on_the_exit_code_of_a_crash(client_script):
     assert wait_gone(with_cmdline(address)) == []
     assert wait_gone([coordinator_pid(r.stdout)]) == []     # the coordinator is gone too
     assert port_closed(address)
+
+
+def test_a_scripts_own_cluster_shape_under_pathways_run_is_said_to_be_ignored(tmp_path):
+    """``pw.init(devices_per_host=4)`` in a script that pathways-run runs on a cluster of
+    2-device hosts attaches to that cluster; it used to say nothing, and the script
+    failed later on a slice of 4. A warning now names the argument and the cluster's
+    shape; a script that asks for the shape the cluster has gets none."""
+    p = tmp_path / "shaped.py"
+    p.write_text(textwrap.dedent("""
+        import sys, warnings, pathways_torch as pw
+        warnings.simplefilter("always")
+        pw.init(devices_per_host=int(sys.argv[1]))
+        print("DEVICES", len(pw.devices()), flush=True)
+        pw.shutdown()
+    """))
+    for asked, warned in (("4", True), ("2", False)):
+        r = subprocess.run(RUN + ["--devices-per-host", "2", str(p), asked], env=env(),
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert lines(r.stdout, "DEVICES") == ["2"]
+        said = re.search(r"shaped\.py:4: UserWarning: pw\.init\(devices_per_host=4\).*"
+                         r"ignored\. That cluster has 1 host\(s\) in 1 island\(s\), with 2 "
+                         r"device\(s\) each", r.stderr)
+        assert bool(said) == warned, r.stderr[-3000:]
 
 
 EMBEDDED = textwrap.dedent("""

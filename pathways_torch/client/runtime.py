@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import grpc
 
@@ -375,6 +375,10 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
     if token is not None:
         grpc_util.set_token(token)
     grpc_util.set_tls(tls_cert, tls_key, tls_ca)
+    shaping = {k: v for k, v in (("islands", islands), ("hosts_per_island", hosts_per_island),
+                                 ("devices_per_host", devices_per_host))
+               if v is not None and v != _EMBEDDED_DEFAULTS.get(k)}
+    attaching = address or os.environ.get(ADDRESS_ENV)
     if devices_per_host is None:
         devices_per_host = int(os.environ.get("CPU_NUM_DEVICES", "8"))
     _check_dispatch(dispatch)
@@ -384,6 +388,37 @@ def init(address: Optional[str] = None, *, islands: int = 1, hosts_per_island: i
                           parse_bytes(memory_budget) if memory_budget else None)
         _state.dispatch = dispatch
         _state.seeds = None if seed is None else SeedStream(seed)
+    if attaching and shaping:
+        _warn_ignored(shaping, address)
+
+
+_EMBEDDED_DEFAULTS = {"islands": 1, "hosts_per_island": 1}
+
+
+def _warn_ignored(shaping: dict, address: Optional[str]) -> None:
+    """pw.init's arguments that shape an embedded cluster, given to a client that
+    attaches to a running one of another shape (a script written for ``python
+    script.py``, run under ``pathways-run``): said, with the cluster's own shape,
+    rather than ignored silently."""
+    from ..errors import warn_at_caller
+    per_host: Dict[tuple, int] = {}
+    for d in _state.devices(None):
+        per_host[(d.island, d.host)] = per_host.get((d.island, d.host), 0) + 1
+    islands = len({i for i, _ in per_host})
+    sizes = sorted(set(per_host.values()))
+    actual = {"islands": islands, "hosts_per_island": len(per_host) // max(islands, 1),
+              "devices_per_host": sizes[0] if len(sizes) == 1 else None}
+    if all(actual[k] == v for k, v in shaping.items()):
+        return                      # the cluster is what the script asked for
+    given = ", ".join(f"{k}={v!r}" for k, v in shaping.items())
+    where = (f"the cluster at {address}" if address else
+             f"the cluster at {os.environ.get(ADDRESS_ENV)} ({ADDRESS_ENV}, which "
+             "pathways-run sets)")
+    warn_at_caller(
+        f"pw.init({given}): these shape an embedded cluster, and this client attaches to "
+        f"{where}, so they are ignored. That cluster has {len(per_host)} host(s) in "
+        f"{islands} island(s), with {'/'.join(map(str, sizes))} device(s) each; give the "
+        "shape to pathways-run (--devices-per-host, --islands, ...) instead", UserWarning)
 
 
 def manual_seed(seed: int) -> None:
