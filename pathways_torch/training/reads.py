@@ -329,7 +329,8 @@ def _warn_clipping(t: Any, name: str) -> None:
     warn_at_caller(
         f"pw.Trainer: torch.nn.utils.{name} on the module after trainer.step clips "
         "nothing: the step computed the gradients and applied the update on the workers "
-        f"(the module holds no gradients). Pass {knob}= to pw.Trainer, which clips "
+        "(the module's .grad are not the step's: none, or those of a backward run on the "
+        f"CPU before). Pass {knob}= to pw.Trainer, which clips "
         "inside each step as torch's clipping before optimizer.step() does", UserWarning)
 
 
