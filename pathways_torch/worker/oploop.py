@@ -195,6 +195,7 @@ class OpLoop:
         rec = self.rec
         t0 = rec.now() if rec.on else 0
         done = False                    # run to completion: Waits need not wait
+        ran = err is None               # (a failure while running: donations happened)
         if err is None:
             try:
                 if self._in_gang:       # inside its gang op's grant: run to the end
@@ -232,7 +233,11 @@ class OpLoop:
             rec.add("execute", prog.name, t0, program=prog.name, buffer_ids=op.outputs,
                     detail=f"failed: {err.message}" if err is not None else "")
         if err is not None:
-            self._not_run(op, err)
+            if ran:
+                for b in op.outputs:
+                    self.store.put(b, Entry(error=err))
+            else:
+                self._not_run(op, err)
             return
         put = self.store.put
         for b, o, n, k in zip(op.outputs, outs, prog.out_nbytes, prog.out_shards):
