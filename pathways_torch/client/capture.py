@@ -42,7 +42,7 @@ import hashlib
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -470,15 +470,23 @@ def _rebuild(values, context):
 pytree.register_pytree_node(_Opened, lambda o: (o.values, (o.cls, o.names)), _rebuild)
 
 
-def _holds_tensors(value, depth: int) -> bool:
+def _attributes(leaf) -> Optional[dict]:
+    """The attributes of an object that may hold tensors (not a tensor, class or
+    module), or None."""
+    attrs = getattr(leaf, "__dict__", None)
+    if not isinstance(attrs, dict) or isinstance(leaf, (torch.Tensor, type, torch.nn.Module)):
+        return None
+    return attrs
+
+
+def _holds_tensors(value, depth: int = 0) -> bool:
     if depth > 8:
         return False
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             return True
-        attrs = getattr(leaf, "__dict__", None)
-        if (isinstance(attrs, dict) and not isinstance(leaf, (type, torch.nn.Module))
-                and _holds_tensors(list(attrs.values()), depth + 1)):
+        attrs = _attributes(leaf)
+        if attrs is not None and _holds_tensors(list(attrs.values()), depth + 1):
             return True
     return False
 
@@ -486,20 +494,22 @@ def _holds_tensors(value, depth: int) -> bool:
 def _open_objects(out, depth: int = 0):
     """``out`` with every leaf object that holds tensors in its attributes (at any
     depth, through lists, dicts and other such objects) made an ``_Opened`` node."""
-    def opens(leaf) -> bool:
-        attrs = getattr(leaf, "__dict__", None)
-        return not (depth > 8 or isinstance(leaf, (torch.Tensor, type, torch.nn.Module))
-                    or not isinstance(attrs, dict)
-                    or not _holds_tensors(list(attrs.values()), 0))
+    if depth > 8:
+        return out
+    opened = {}                     # id(leaf) -> its attributes, for the leaves that open
+    for leaf in pytree.tree_leaves(out):
+        attrs = _attributes(leaf)
+        if attrs is not None and _holds_tensors(list(attrs.values())):
+            opened[id(leaf)] = attrs
+    if not opened:
+        return out                  # rebuilt by tree_map only when something opens
 
     def open_one(leaf):
-        if not opens(leaf):
+        attrs = opened.get(id(leaf))
+        if attrs is None:
             return leaf
-        attrs = vars(leaf)
         names = tuple(attrs)
         return _Opened(type(leaf), names, [_open_objects(attrs[n], depth + 1) for n in names])
-    if not any(opens(leaf) for leaf in pytree.tree_leaves(out)):
-        return out                  # rebuilt by tree_map only when something opens
     return pytree.tree_map(open_one, out)
 
 
