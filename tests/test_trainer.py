@@ -411,6 +411,71 @@ def test_pipeline_batch_norm_statistics_move_in_micro_batch_order(pipe_slices, b
             assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("stages,per_program,axis", [(3, 2, None), (2, 4, "data")],
+                         ids=["3_stages_groups_of_2", "2_data_parallel_stages_one_group_of_4"])
+def test_pipeline_groups_of_micro_batches_per_program_equal_plain_torch(cluster8, stages,
+                                                                        per_program, axis):
+    """``Pipeline(per_program=k)``: each stage program computes k micro-batches in turn
+    (fewer, larger programs). Still GPipe over every micro-batch: each normalised by
+    itself (BatchNorm in the first and the last stage), gradients summed in order, so
+    the numbers are per_program=1's to the bit; and a step runs k times fewer programs
+    on each stage."""
+    m_count = 4
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(16, 6, generator=g), torch.randint(0, 5, (16,), generator=g))
+            for _ in range(3)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    ref = copy.deepcopy(model)
+    make_opt = OPTIMIZERS["sgd_momentum"]
+    opt, want = make_opt(ref.parameters()), []
+    for x, y in data:
+        opt.zero_grad()
+        loss = 0.0
+        for xj, yj in zip(x.chunk(m_count), y.chunk(m_count)):
+            part = F.cross_entropy(ref(xj), yj) / m_count
+            part.backward()
+            loss += part.item()
+        opt.step()
+        want.append(loss)
+    slices = [pw.slice((2,), axis_names=("data",)) if axis else pw.slice((1,))
+              for _ in range(stages)]
+    try:
+        trained, ran = {}, {}
+        for k in (per_program, 1):
+            mine = copy.deepcopy(model)
+            tr = pw.Trainer(mine, make_opt(mine.parameters()),
+                            F.cross_entropy, parallelism=pw.Pipeline(
+                                stages, m_count, slices, axis=axis, per_program=k))
+            got = []
+            for x, y in data:
+                before = slices[0].stats().executed
+                got.append(float(tr.step(x, y)))
+                ran[k] = slices[0].stats().executed - before
+            assert_losses_match(got, want)
+            trained[k] = tr.sync_to(copy.deepcopy(model)).state_dict()
+        # within float32 rounding of torch (BatchNorm's variance of 4 rows, momentum SGD)
+        for (n, a), b in zip(trained[per_program].items(), ref.state_dict().values()):
+            if a.is_floating_point():
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4,
+                                           msg=lambda e, n=n: f"{n}: {e}")
+            else:
+                assert torch.equal(a, b), n
+        for n, a in trained[per_program].items():
+            assert torch.equal(a, trained[1][n]), n
+        # the first stage: a forward and a backward per group or micro-batch, the update
+        assert ran == {per_program: 2 * m_count // per_program + 1, 1: 2 * m_count + 1}
+    finally:
+        for s in slices:
+            s.release()
+    with pytest.raises(pw.PathwaysError, match="per_program must be a positive integer "
+                       "that divides microbatches"):
+        pw.Pipeline(2, 4, slices, per_program=3)
+
+
 def test_pipeline_needs_a_sequential_and_enough_slices(cluster8):
     s = pw.slice((1,))
     try:

@@ -41,32 +41,47 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
             f"{sorted(hooked)[0]!r} is shared by two pipeline stages and has a hook "
             "(register_hook), which torch runs once on its whole gradient; each stage "
             "computes a part of it. Remove the hook or untie the parameter")
-    fwd = [trainer._program(f"stage{k}_fwd", _make_stage_fwd(mod, k == 0, trainer.model,
-                                                             options))
+    # per_program > 1: each stage program computes a group of micro-batches in turn
+    # and a group's activations (and their gradients) move stacked, in one transfer
+    g = trainer.parallelism.per_program
+    group = (lambda one, **kw: one) if g == 1 else _in_turn
+    sfx = "" if g == 1 else f"_x{g}"
+    fwd = [trainer._program(f"stage{k}_fwd{sfx}", group(
+               _make_stage_fwd(mod, k == 0, trainer.model, options), first=k == 0))
            for k, (mod, _) in enumerate(stages)]
-    bwd = [trainer._program(f"stage{k}_bwd", _make_stage_bwd(mod, k == 0, trainer.model,
-                                                             options))
+    bwd = [trainer._program(f"stage{k}_bwd{sfx}", group(
+               _make_stage_bwd(mod, k == 0, trainer.model, options), first=k == 0))
            for k, (mod, _) in enumerate(stages[:-1])]
-    last_bwd = trainer._program("last_bwd", _make_last_bwd(stages[-1][0], trainer.loss_fn, m,
-                                                           last == 0, trainer.model, options))
+    last_bwd = trainer._program(f"last_bwd{sfx}", group(
+        _make_last_bwd(stages[-1][0], trainer.loss_fn, m, last == 0, trainer.model,
+                       options), first=last == 0))
     # precision="fp16": each stage holds a copy of the loss scale (the last scales the
     # loss with it, every stage unscales its own gradients), all updated alike
     scalers = [trainer._scalers[k] or None for k in range(len(stages))]
     apply_prog = trainer._program("apply", make_apply_fn(trainer.opt, trainer._groups,
                                                          trainer.options))
-    mean_prog = trainer._program("mean", lambda ls: torch.stack(ls).sum() / len(ls))
+    mean_prog = trainer._program("mean", lambda ls: torch.stack(ls).sum() / len(ls)) \
+        if g == 1 else trainer._program("mean_groups", lambda ls: torch.cat(ls).sum() / m)
+    dim = 0 if g == 1 else 1        # a group's tensors are stacked on a new dimension 0
+
+    def placed(parts, j, slice_):
+        """Unit j's (a micro-batch's, or a group's list of) batch parts on ``slice_``."""
+        if g == 1:
+            return _place_batch(parts[j], slice_, axis)
+        return [_place_batch(parts[i], slice_, axis) for i in range(j * g, (j + 1) * g)]
     with graph():
         # a parameter shared by two stages (tied embeddings) lives on its home stage;
         # each other stage that uses it gets a copy for this step
         params = [dict(p) for p in own]
         _lend_tied(trainer, params, fixed)
         # GPipe: all forwards, microbatch by microbatch through the stages ...
-        acts = [[None] * (len(stages)) for _ in range(m)]      # stage inputs
-        saved = [[None] * (len(stages)) for _ in range(m)]     # what backward needs
-        for j in range(m):
-            h = _place_batch(xs[j], slices[0], axis)
+        units = m // g
+        acts = [[None] * (len(stages)) for _ in range(units)]      # stage inputs
+        saved = [[None] * (len(stages)) for _ in range(units)]     # what backward needs
+        for j in range(units):
+            h = placed(xs, j, slices[0])
             for k in range(len(stages)):
-                h = h if k == 0 else _batch_to(h, slices[k], axis)
+                h = h if k == 0 else _batch_to(h, slices[k], axis, dim)
                 acts[j][k] = h
                 if k < last:
                     h, saved[j][k] = fwd[k](params[k], fixed[k], h)
@@ -76,14 +91,14 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
         # over micro-batches moves them.
         acc: List[Optional[dict]] = [None] * len(stages)
         losses = []
-        for j in range(m):
-            y = _place_batch(ys[j], slices[last], axis)
+        for j in range(units):
+            y = placed(ys, j, slices[last])
             gx, acc[last], loss = last_bwd(params[last], fixed[last], acts[j][last], y,
                                            acc[last] if acc[last] is not None else {},
                                            scalers[last])
             losses.append(loss)
             for k in reversed(range(last)):
-                gy = _batch_to(gx, slices[k], axis)
+                gy = _batch_to(gx, slices[k], axis, dim)
                 gx, acc[k] = bwd[k](params[k], fixed[k], acts[j][k], saved[j][k], gy,
                                     acc[k] if acc[k] is not None else {})
                 saved[j][k] = None
@@ -132,11 +147,12 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
     return loss
 
 
-def _batch_to(a: Array, slice_, axis: Optional[str]) -> Array:
+def _batch_to(a: Array, slice_, axis: Optional[str], dim: int = 0) -> Array:
     """A micro-batch's activations or their gradient on the next stage's slice, split
-    over ``axis`` as the batch is (replicated where it does not divide)."""
-    split = axis and a.ndim and a.shape[0] % _axis_size(slice_, axis) == 0
-    return a.to(slice_, P(axis) if split else P())
+    over ``axis`` along the batch dimension ``dim`` as the batch is (replicated where it
+    does not divide; ``dim`` 1 for a group's, stacked on dimension 0)."""
+    split = axis and a.ndim > dim and a.shape[dim] % _axis_size(slice_, axis) == 0
+    return a.to(slice_, P(*[None] * dim, axis) if split else P())
 
 
 def _own_tensors(trainer, tensors: Dict[str, Array]) -> List[Dict[str, Array]]:
@@ -320,6 +336,40 @@ class _Stash:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _in_turn(one, first: bool):
+    """A stage program over a group of micro-batches, ``one`` (the single micro-batch
+    forward, backward or last-stage program below) run on each in turn, as separate
+    programs would run them: buffers and gradient sums move micro-batch after
+    micro-batch. The first stage gets the group's inputs as a list; a later stage its
+    predecessor's outputs (or, backwards, their gradients) stacked on dimension 0."""
+    def members(xs):
+        return list(xs) if first else [x.detach() for x in xs.unbind(0)]
+
+    def stacked(gxs):
+        return gxs[0] if first else torch.stack(gxs)    # (first: a placeholder)
+
+    def fwd(params, fixed, xs):
+        outs = [one(params, fixed, x) for x in members(xs)]
+        return torch.stack([y for y, _ in outs]), [s for _, s in outs]
+
+    def bwd(params, fixed, xs, saved, gys, acc):
+        gxs = []
+        for x, s, gy in zip(members(xs), saved, gys.unbind(0)):
+            gx, acc = one(params, fixed, x, s, gy, acc)
+            gxs.append(gx)
+        return stacked(gxs), acc
+
+    def last(params, fixed, xs, targets, acc, scaler=None):
+        gxs, losses = [], []
+        for x, y in zip(members(xs), targets):
+            gx, acc, loss = one(params, fixed, x, y, acc, scaler)
+            gxs.append(gx)
+            losses.append(loss)
+        return stacked(gxs), acc, torch.stack(losses)
+
+    return {"stage_fwd": fwd, "stage_bwd": bwd, "last_bwd": last}[one.__name__]
 
 
 def _make_stage_fwd(mod, first: bool, model, options):
