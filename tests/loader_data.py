@@ -80,6 +80,11 @@ def summarize(x, y, scale=1.0):
             "pair": (y + 1, "label")}
 
 
+def slow_double(x, secs=1.0):
+    time.sleep(secs)
+    return x * 2
+
+
 def boom(x):
     raise ValueError("bad value in a colocated function")
 

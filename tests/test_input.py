@@ -8,6 +8,7 @@ workers the client's import path.
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -507,6 +508,24 @@ def test_colocated_runs_on_the_host_and_returns_arrays_and_values(islands):
     with pytest.raises(TypeError, match="pickled"):
         pw.colocated(loader_data.boom)
     assert torch.equal(pw.put(y, s).torch(), y)
+
+
+def test_a_colocated_timeout_raises_at_its_time_and_leaves_no_buffers(islands):
+    """``timeout=1`` on a function that takes 4 s: a TimeoutError that says the function
+    goes on, after about 1 s (before: 6 s, the RPC's deadline was timeout + 5), and the
+    outputs the function makes after the client gave up are not kept on the host."""
+    s = islands[1]
+    x = pw.put(torch.ones(4), s)
+    before = s.stats().num_buffers
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 1 s .* outputs are "
+                       "dropped. Pass a larger timeout="):
+        pw.colocated("loader_data:slow_double", timeout=1)(x, secs=4.0)
+    assert time.monotonic() - t0 < 3.5          # (generous: the function takes 4 s)
+    time.sleep(4.0)                              # until the function has returned
+    assert s.stats().num_buffers == before
+    assert torch.equal(pw.colocated("loader_data:slow_double")(x, secs=0.0).torch(),
+                       torch.full((4,), 2.0))
 
 
 def test_host_workers_come_from_a_fork_server_and_outlive_epochs(islands):

@@ -99,8 +99,15 @@ def colocated(fn: str, *, out_specs: Optional[Sequence] = None, max_outputs: int
 
         def ask(member) -> pb.ColocatedReply:
             try:
-                rep = member.stub.Colocated(req, timeout=t + 5)
+                # a little past t, so that the host's own error for inputs that were
+                # not ready within t (which names them) usually arrives first
+                rep = member.stub.Colocated(req, timeout=t + min(5.0, max(0.5, t / 10)))
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not member.broken:
+                    raise TimeoutError(
+                        f"{what} did not finish within {t} s on {member.where}; a "
+                        "function still running goes on there and its outputs are "
+                        "dropped. Pass a larger timeout= if it needs longer") from None
                 raise member._rpc_error(e, what, t) from None
             if rep.has_error:
                 raise_buffer_error(rep.error, what)

@@ -76,7 +76,13 @@ def _split(ex, req, out):
                                       is_tensor=is_tensor)
 
 
-def run_colocated_member(m, req):
+def _abandoned(context) -> bool:
+    """The client gave up on the call (its deadline passed, or it went away) while the
+    function ran: nobody will hold its outputs' Arrays, so they are not placed."""
+    return context is not None and not context.is_active()
+
+
+def run_colocated_member(m, req, context=None):
     """Serve one Colocated call on member ``m`` of a slice that spans hosts.
 
     The function gets this host's region of each input (the box its devices' shards
@@ -104,8 +110,8 @@ def run_colocated_member(m, req):
                          for a, (o, _), n in zip(st, box, v.shape))] = v
         inputs.append(_to_torch(torch, region))
     out, err = _call(m, req, inputs)
-    if err is not None:
-        return err
+    if err is not None or _abandoned(context):
+        return err or pb.ColocatedReply()
     tensors, reply = _split(m, req, out)
     if tensors is None:
         return reply
@@ -151,7 +157,7 @@ def _too_many(ex, req, n: int):
         f"{len(req.out_ids)} (max_outputs=)", req.fn))
 
 
-def run_colocated(ex, req):
+def run_colocated(ex, req, context=None):
     """Serve one Colocated call on executor ``ex``; returns a ColocatedReply."""
     pb = ex.pb
     inputs = []
@@ -167,8 +173,8 @@ def run_colocated(ex, req):
         finally:
             ex.store.end_read(entry)
     out, err = _call(ex, req, inputs)
-    if err is not None:
-        return err
+    if err is not None or _abandoned(context):
+        return err or pb.ColocatedReply()
     tensors, reply = _split(ex, req, out)
     if tensors is None:
         return reply

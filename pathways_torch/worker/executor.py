@@ -446,7 +446,7 @@ class ExecutorService(OpLoop, Programs, Transfers, BackPressure, CheckpointIO,
         """Run an importable function here on the host copies of some buffers."""
         self._authorize(context)
         from .colocated import run_colocated
-        return run_colocated(self, request)
+        return run_colocated(self, request, context)
 
     def Profile(self, request, context):
         self._authorize(context)

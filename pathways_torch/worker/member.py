@@ -621,7 +621,7 @@ class MemberService(_make_servicer_base()):
         """pw.colocated on this host's region of the inputs (worker/colocated.py)."""
         self._authorize(context)
         from .colocated import run_colocated_member
-        return run_colocated_member(self, request)
+        return run_colocated_member(self, request, context)
 
     # ------------------------------------------------------------------ pw.DataLoader
     def OpenLoader(self, request, context):
