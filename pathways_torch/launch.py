@@ -334,7 +334,7 @@ def _run_client(args: argparse.Namespace) -> int:
             from .client.cluster import wait_for_hosts
             wait_for_hosts(args.address, args.wait_for_hosts, args.register_timeout or 300.0,
                            hint="check the workers' logs (--register-timeout waits longer)")
-        child = subprocess.Popen(cmd, env=env)
+        child = subprocess.Popen(_dies_with_us(cmd), env=env)
         code = child.wait()
     except PathwaysError as e:
         print(f"pathways-run: {e}", file=sys.stderr, flush=True)
@@ -350,6 +350,26 @@ def _run_client(args: argparse.Namespace) -> int:
             _shutdown_cluster(args.address, f"the client {args.script} exited with code "
                               f"{code}")
     return _status(code)
+
+
+# Runs before the script, in the child: the kernel sends it SIGTERM when the launcher
+# dies, even by SIGKILL (which no handler sees); kept across the exec of the script.
+_DIE_WITH_PARENT = """
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 15)     # PR_SET_PDEATHSIG, SIGTERM
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)                                         # the launcher is gone already
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _dies_with_us(cmd: list) -> list:
+    """``cmd`` started so that it ends when this launcher process ends, however it
+    ends: the script's process is the same (its pid, its signals), a few ms later."""
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid())] + cmd
 
 
 def _shutdown_cluster(address: str, reason: str) -> None:

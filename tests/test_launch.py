@@ -234,3 +234,46 @@ def test_ctrl_c_of_pathways_run_stops_the_script_and_the_cluster(tmp_path):
     assert wait_gone(with_cmdline(address)) == []
     assert wait_gone([coord]) == []                  # the coordinator too
     assert port_closed(address)
+
+
+PID_SLEEPER = textwrap.dedent("""
+    import os, time, torch
+    import pathways_torch as pw
+    pw.init()
+    s = pw.slice((2,))
+    pw.put(torch.ones(2), s).torch()
+    print("PID", os.getpid(), os.environ["PATHWAYS_ADDRESS"], flush=True)
+    time.sleep(300)
+""")
+
+
+def test_sigkill_of_pathways_run_ends_the_script_and_the_cluster(tmp_path):
+    """A launcher killed outright (SIGKILL: no handler runs, as when a job scheduler
+    or the OOM killer ends it) takes its script down too; before, the script ran on
+    against a cluster that was gone."""
+    p = tmp_path / "sleeper.py"
+    p.write_text(PID_SLEEPER)
+    proc = subprocess.Popen(RUN + ["--devices-per-host", "2", str(p)], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            cwd=ROOT)
+    script = None
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PID "), line
+        pid, address = line.split()[1:]
+        script = int(pid)
+        (coord,) = coordinators_of(proc.pid)
+        assert alive(script)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    try:
+        assert wait_gone([script], timeout=20) == []
+        assert wait_gone(with_cmdline(address), timeout=20) == []
+        assert wait_gone([coord], timeout=20) == []
+    finally:
+        if script is not None and alive(script):
+            os.kill(script, signal.SIGKILL)
