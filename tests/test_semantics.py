@@ -539,3 +539,56 @@ def test_a_program_that_writes_into_a_tensor_it_closes_over_is_refused(s4):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mean.torch(), want_mean, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(var.torch(), want_var, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------- Arrays as objects
+def test_copies_of_an_array_and_pickling(s4):
+    """``copy.copy`` of an Array named the same buffer as a second owner: dropping the
+    copy freed the original's buffer. ``copy.deepcopy`` failed on a lock; now it makes
+    a copy of its own on the slice (a later in-place update leaves it as it was), and
+    pickling says what to save instead."""
+    import gc
+    import pickle
+    x = pw.put(torch.arange(8.0).reshape(4, 2), s4, P("data"))
+    c = copy.copy(x)
+    del c
+    gc.collect()
+    assert torch.equal(x.torch(), torch.arange(8.0).reshape(4, 2))
+    d = copy.deepcopy({"a": x, "b": [x]})
+    assert d["a"] is d["b"][0] and d["a"] is not x and d["a"].sharding == P("data")
+
+    @pw.program
+    def bump(t):
+        t.add_(1)
+    bump(x)
+    assert torch.equal(x.torch(), torch.arange(1.0, 9.0).reshape(4, 2))
+    assert torch.equal(d["a"].torch(), torch.arange(8.0).reshape(4, 2))
+    with pytest.raises(TypeError, match="cannot be pickled .* Save a.torch()"):
+        pickle.dumps(x)
+
+
+def test_a_zero_dim_array_formats_and_has_no_len(s4):
+    z = pw.put(torch.tensor(3.14159), s4)
+    assert f"loss {z:.2f}" == "loss 3.14"            # as f"{tensor:.2f}"
+    with pytest.raises(TypeError, match="len\\(\\) of a 0-d"):
+        len(z)
+
+
+def test_static_floats_are_keyed_by_their_bits(s4):
+    """0.0 == -0.0, so a call with -0.0 reused the trace made for 0.0 (1 / -0.0 came
+    out +inf); NaN, unequal to itself, was traced again at every call."""
+    @pw.program
+    def divide(t, a):
+        return t / a
+    one = pw.put(torch.tensor(1.0), s4)
+    assert divide(one, 0.0).torch() == float("inf")
+    assert divide(one, -0.0).torch() == float("-inf")
+
+    @pw.program
+    def divide_dict(d):                  # (the fast path that walks containers)
+        return d["t"] / d["a"]
+    assert divide_dict({"t": one, "a": -0.0}).torch() == float("-inf")
+    assert divide_dict({"t": one, "a": 0.0}).torch() == float("inf")
+    for _ in range(3):
+        assert torch.isnan(divide(one, float("nan")).torch())
+    assert len(divide._traces) == 3

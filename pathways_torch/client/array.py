@@ -152,7 +152,39 @@ class Array:
         raise TypeError("the truth value of a pw.Array would block; use bool(a.item())")
 
     def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d pw.Array")     # as torch says for a tensor
         return self.shape[0]
+
+    def __format__(self, spec: str) -> str:
+        """``f"{loss:.4f}"`` of a 0-d Array formats its value, as for a 0-d tensor (it
+        blocks until the value exists); other Arrays format as their repr."""
+        if spec and not self.shape:
+            return format(self.item(), spec)
+        return format(repr(self), spec)
+
+    def __copy__(self) -> "Array":
+        """This Array itself: a copy names the same buffer (an in-place update through
+        a program is seen by both, as by a tensor and its shallow copy). Two Array
+        objects owning one buffer would each free it."""
+        return self
+
+    def __deepcopy__(self, memo) -> "Array":
+        """A new Array with the same values in a buffer of its own on the same slice
+        (``copy.deepcopy(trainer.params)``): a copy program, queued in order after
+        whatever updates this Array before it."""
+        self._check_usable()
+        from .program import copy_of
+        out = copy_of(self)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a pw.Array cannot be pickled (torch.save, multiprocessing, pickle.dumps): "
+            "it names a buffer on the cluster, not its values. Save a.torch() (the "
+            "values on the client), or trainer.state_dict()/trainer.save() for training "
+            "state")
 
 
 def put(value: Union[torch.Tensor, np.ndarray], slice_: "runtime.Slice", spec=None) -> Array:

@@ -106,6 +106,27 @@ _MAX_FAST = 4096        # remembered signatures per program and table
 _KEYED_STATICS = frozenset((int, float, bool, str, complex, torch.dtype))
 
 
+def _static_key(v):
+    """A static argument as a cache key: floats by their bits, so that -0.0 is not 0.0
+    (1 / x differs) and NaN finds its own trace (NaN != NaN)."""
+    t = type(v)
+    if t is float:
+        return v.hex()
+    if t is complex:
+        return (v.real.hex(), v.imag.hex())
+    return v
+
+
+def _static_value(part):
+    """The value of a static key part ("S", type name, _static_key(value))."""
+    v = part[2]
+    if part[1] == "float":
+        return float.fromhex(v)
+    if part[1] == "complex":
+        return complex(float.fromhex(v[0]), float.fromhex(v[1]))
+    return v
+
+
 def _tree_key(obj, leaves: list, key: list) -> bool:
     """Walk ``obj`` as torch's pytree flattens it, for Arrays, CPU tensors and static
     values in dicts, lists and tuples: the Arrays and tensors go to ``leaves`` in order,
@@ -128,7 +149,7 @@ def _tree_key(obj, leaves: list, key: list) -> bool:
         key.append(("T", obj.shape, obj.dtype))
         return True
     elif t in _KEYED_STATICS:
-        key.append(("S", t, obj))
+        key.append(("S", t, _static_key(obj)))
         return True
     elif obj is None:
         key.append(None)
@@ -315,9 +336,9 @@ class Program:
                         warned.add(i)
                         warnings.warn(
                             f"program '{self.name}' is traced and compiled again for "
-                            f"each value of the Python {type(mine[2]).__name__} "
+                            f"each value of the Python {mine[1]} "
                             f"{self._leaf_name(args, kwargs, i)} ({len(values)} values "
-                            f"so far, now {mine[2]!r}): pass it as a tensor "
+                            f"so far, now {_static_value(mine)!r}): pass it as a tensor "
                             "(torch.tensor(value)) to make it an input",
                             RetraceWarning, stacklevel=5)
 
@@ -368,7 +389,7 @@ class Program:
                 avals.append((tuple(leaf.shape), leaf.dtype))
                 key_parts.append(("A", tuple(leaf.shape), leaf.dtype))
             elif isinstance(leaf, _STATIC_TYPES):
-                key_parts.append(("S", type(leaf).__name__, leaf))
+                key_parts.append(("S", type(leaf).__name__, _static_key(leaf)))
             else:
                 raise TraceError(
                     f"program '{self.name}': argument of type {type(leaf).__name__} is "
@@ -608,6 +629,16 @@ def program(fn: Optional[Callable] = None, *, out_specs: Any = None,
 
 
 _reshards: dict = {}
+
+
+_copy_program: list = []
+
+
+def copy_of(a: Array) -> Array:
+    """A copy of ``a`` in a new buffer on its slice, with its sharding (``copy.deepcopy``)."""
+    if not _copy_program:
+        _copy_program.append(Program(lambda x: x.clone(), name="copy"))
+    return _copy_program[0](a)
 
 
 def reshard(a: Array, spec: P) -> Array:
