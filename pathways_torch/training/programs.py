@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import PathwaysError, TraceError
+from ..errors import PathwaysError, TraceError, warn_at_caller
 from . import optim as fopt
 from . import scaling
 from .scaling import LossScaling
@@ -98,11 +98,45 @@ def reparametrized(model: torch.nn.Module, tensors: Dict[str, torch.Tensor]):
     try:
         with _reparametrize_module(model, tensors, tie_weights=True):
             yield
+            _keep_rebound_buffers(model, tensors)
     finally:
         # RNNs cache their weights in _flat_weights, which would keep the traced ones
         for m in model.modules():
             if isinstance(m, torch.nn.RNNBase):
                 m._init_flat_weights()
+
+
+_warned_rebound: set = set()
+
+
+def _keep_rebound_buffers(model: torch.nn.Module, tensors: Dict[str, torch.Tensor]) -> None:
+    """A forward that assigns a registered buffer anew (``self.h = h.detach()``, a
+    recurrent state carried between batches; ``self.count = self.count + 1``) rebinds
+    it in the module, which the reparametrization then undoes: the new value is copied
+    into the buffer the program was given, an in-place update that the step writes
+    back, as torch's module would keep it. A new value of another shape or dtype
+    cannot be (the buffer is an input of that shape): it is said, once, and dropped."""
+    for name, given in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        try:
+            mod = model.get_submodule(owner) if owner else model
+        except AttributeError:
+            continue
+        now = mod._buffers.get(leaf) if leaf in mod._buffers else given
+        if now is given or not isinstance(now, torch.Tensor):
+            continue
+        if now.shape == given.shape and now.dtype == given.dtype:
+            with torch.no_grad():
+                given.copy_(now.detach())
+        elif name not in _warned_rebound:
+            _warned_rebound.add(name)
+            warn_at_caller(
+                f"pw.Trainer: the forward assigned the buffer {name!r} a "
+                f"{now.dtype}{list(now.shape)} value where it holds "
+                f"{given.dtype}{list(given.shape)}; a program updates buffers in place, "
+                "so the new value is not kept (torch's module would keep it). Keep the "
+                "buffer's shape (pad, or make it for the largest batch), or return the "
+                "value from the forward and pass it back in", UserWarning)
 
 
 def call_model(model: torch.nn.Module, inputs: Any):
