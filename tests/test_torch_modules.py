@@ -285,3 +285,30 @@ def test_reentrant_activation_checkpointing_trains_like_torch(s2):
     torch.manual_seed(0)
     untouched = Reentrant()
     torch.testing.assert_close(out.raw.weight, untouched.raw.weight)   # as torch: no grad
+
+
+class CausalLM(nn.Module):
+    """PyTorch's word_language_model TransformerModel, shrunk: a causal mask from
+    ``generate_square_subsequent_mask`` and no ``is_causal=`` hint, sequence first."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        dec = nn.TransformerDecoderLayer(16, 4, 32, dropout=0.0)
+        self.dec = nn.TransformerDecoder(dec, 1)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = self.emb(x).transpose(0, 1)
+        mask = nn.Transformer.generate_square_subsequent_mask(h.shape[0])
+        h = self.dec(h, self.enc(h, mask), tgt_mask=mask)
+        return self.head(h[-1])
+
+
+def test_a_causal_mask_without_the_is_causal_hint_trains_like_torch(s2):
+    """torch compares such a mask with a causal one to choose a kernel
+    (``bool((mask == causal).all())``), a value read that failed the trace with a
+    DataDependentError pointing at the model's call. The mask is applied either way."""
+    _train_both(CausalLM, s2, data=_batches(seq=6))

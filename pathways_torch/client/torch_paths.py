@@ -77,6 +77,15 @@ def autocast_state() -> tuple:
                  if torch.is_autocast_enabled(d))
 
 
+def _causal_hint_only(mask=None, is_causal=None, size=None) -> bool:
+    """``nn.Transformer*``'s guess whether a mask is causal, without reading it: torch
+    compares the mask's values with a causal one when no ``is_causal`` hint is given
+    (``bool((mask == causal).all())``: a value read, which a trace cannot make), only
+    to pick a faster kernel. Without the hint the mask itself is applied: the same
+    numbers."""
+    return is_causal is True
+
+
 @contextlib.contextmanager
 def traceable() -> Iterator[None]:
     """Within the block, torch's modules take paths that XLA lowers, with torch's
@@ -84,6 +93,8 @@ def traceable() -> Iterator[None]:
     import torch.compiler as tc
     encoder = torch.nn.TransformerEncoder
     original = encoder.forward
+    transformer = torch.nn.modules.transformer
+    detect = transformer._detect_is_causal_mask
     fastpath = torch.backends.mha.get_fastpath_enabled()
     mkldnn = torch._C._get_mkldnn_enabled()
 
@@ -124,11 +135,13 @@ def traceable() -> Iterator[None]:
         torch._C._set_mkldnn_enabled(False)
         torch.backends.mha.set_fastpath_enabled(False)
         encoder.forward = forward
+        transformer._detect_is_causal_mask = _causal_hint_only
         F.embedding, F.embedding_bag = dense_embedding, dense_embedding_bag
         try:
             yield
         finally:
             F.embedding, F.embedding_bag = embedding, embedding_bag
+            transformer._detect_is_causal_mask = detect
             for cls, norm_forward in zip(norms, norm_forwards):
                 cls.forward = norm_forward
             encoder.forward = original
