@@ -592,3 +592,25 @@ def test_static_floats_are_keyed_by_their_bits(s4):
     for _ in range(3):
         assert torch.isnan(divide(one, float("nan")).torch())
     assert len(divide._traces) == 3
+
+
+def test_a_zero_dim_tensor_of_a_wider_type_takes_the_tensors_type(s4):
+    """torch computes ``x + scalar_tensor`` in x's dtype when the 0-dim tensor is of the
+    same kind (float32 with a float64 scalar, uint8 with an int64 one). torch_xla
+    widened the value but not its dtype: uint8 250 + 10 came out 260, the float32
+    result was float64 bytes that the next program refused, and lerp failed."""
+    add = pw.program(lambda a, b: a + b)
+    for dtype, wide, v, w in [(torch.float32, torch.float64, 1.5, 2.25),
+                              (torch.uint8, torch.int64, 250, 10),
+                              (torch.int32, torch.int64, 7, 2 ** 40 + 3),
+                              (torch.float16, torch.float32, 1.0, 2.5)]:
+        x, y = torch.full((4,), v, dtype=dtype), torch.tensor(w, dtype=wide)
+        got = add(pw.put(x, s4, P("data")), pw.put(y, s4))
+        assert got.dtype == (x + y).dtype == dtype
+        assert torch.equal(got.torch(), x + y), dtype
+        again = add(got, got)               # the next program takes the buffer
+        assert torch.equal(again.torch(), (x + y) + (x + y))
+    x, y = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor(0.3, dtype=torch.float64)
+    lerp = pw.program(lambda a, wt: torch.lerp(a, 2 * a, wt) ** wt)
+    torch.testing.assert_close(lerp(pw.put(x, s4), pw.put(y, s4)).torch(),
+                               torch.lerp(x, 2 * x, y) ** y, rtol=1e-6, atol=0)

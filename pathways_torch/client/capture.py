@@ -625,6 +625,7 @@ class _Replay(torch.fx.Interpreter):
         if dev is not None and torch.device(dev).type == "cpu":
             kwargs = dict(kwargs, device=self.device)
         args = _bool_as_float(target, args, self._traced)
+        args = _scalars_in_result_type(target, args, self._traced)
         vector = _scalars_as_vectors(target, args, kwargs)
         if vector is not None:
             out = super().call_function(target, *vector)
@@ -644,6 +645,28 @@ def _bool_as_float(target, args, traced):
     if len(tensors) != 1 or tensors[0].dtype != torch.bool:
         return args
     return tuple(a.to(traced.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _scalars_in_result_type(target, args, traced):
+    """The args of an elementwise op with each 0-dim tensor of the result's kind but
+    another width (a float64 scalar beside float32 tensors, an int64 one beside uint8)
+    cast to the result's dtype first. torch computes such an op in the dtype of the
+    tensors with dimensions; torch_xla widened its XLA value to the scalar's type while
+    its tensor said the narrower one (the next program refused the buffer, and uint8
+    250 + 10 came out 260), and lerp refused the mix."""
+    if not isinstance(traced, torch.Tensor) or traced.dtype == torch.bool or \
+            not isinstance(target, torch._ops.OpOverload) or \
+            torch.Tag.pointwise not in target.tags:
+        return args
+    kind = traced.dtype.is_floating_point, traced.dtype.is_complex
+
+    def cast(a):
+        if isinstance(a, torch.Tensor) and a.dim() == 0 and a.dtype != traced.dtype and \
+                (a.dtype.is_floating_point, a.dtype.is_complex) == kind and \
+                a.dtype != torch.bool:
+            return a.to(traced.dtype)
+        return a
+    return tuple(cast(a) for a in args)
 
 
 def _scalars_as_vectors(target, args, kwargs):
