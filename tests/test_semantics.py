@@ -614,3 +614,27 @@ def test_a_zero_dim_tensor_of_a_wider_type_takes_the_tensors_type(s4):
     lerp = pw.program(lambda a, wt: torch.lerp(a, 2 * a, wt) ** wt)
     torch.testing.assert_close(lerp(pw.put(x, s4), pw.put(y, s4)).torch(),
                                torch.lerp(x, 2 * x, y) ** y, rtol=1e-6, atol=0)
+
+
+def test_a_graph_block_that_raises_leaves_its_inputs_as_they_were(s4):
+    """Nothing a raising ``pw.graph()`` block recorded runs, so an input it updated in
+    place keeps its value and one it donated stays usable. The block had already
+    moved the input to the update's buffer and freed the old one: the Array was gone
+    (and could not be computed again)."""
+    bump = pw.program(lambda t: t.add_(1))
+    double = pw.program(lambda t: t * 2, donate_argnums=(0,))
+    x = pw.put(torch.zeros(4), s4)
+    y = pw.put(torch.ones(4), s4)
+    with pytest.raises(KeyboardInterrupt):
+        with pw.graph():
+            bump(x)
+            bump(x)
+            double(y)
+            raise KeyboardInterrupt
+    assert torch.equal(x.torch(), torch.zeros(4))
+    assert torch.equal(y.torch(), torch.ones(4))
+    with pw.graph():                       # the block again, this time to the end
+        bump(x)
+        z = double(y)
+    assert torch.equal(x.torch(), torch.ones(4))
+    assert torch.equal(z.torch(), torch.full((4,), 2.0))

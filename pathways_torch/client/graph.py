@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .. import tracing
 from ..errors import PathwaysError
@@ -70,9 +70,16 @@ class Graph:
         # Every Array the recorded ops create or read stays alive until submission, so
         # that no release can overtake the ops (which are held back until then).
         self._keep: List[object] = []
+        # What recording changed in Arrays from before the block (an input updated in
+        # place now names the update's buffer; a donated input is marked): undone, in
+        # reverse, if the block raises, since nothing it recorded will run.
+        self._undo: List[Callable[[], None]] = []
 
     def keep(self, *arrays) -> None:
         self._keep.extend(arrays)
+
+    def on_abort(self, undo: Callable[[], None]) -> None:
+        self._undo.append(undo)
 
     def record(self, conn, op: pb.Op) -> SeqCell:
         self._ops.setdefault(conn, []).append(op)
@@ -97,6 +104,7 @@ class Graph:
                 self._cells[conn].value = conn.send_gang(pos, seq, self._ops[conn], hs)
                 self.positions[conn.slice_id] = pos
         self._keep.clear()
+        self._undo.clear()
         if t0:
             tracing.CLIENT.add("dispatch", "graph", t0, detail=", ".join(
                 f"{sid}@{p}" for sid, p in self.positions.items()))
@@ -112,6 +120,9 @@ class Graph:
         if exc_type is None:
             self.submit()
         else:
+            for undo in reversed(self._undo):
+                undo()
+            self._undo.clear()
             self._keep.clear()
             for cell in self._cells.values():
                 cell.dropped = exc

@@ -298,7 +298,7 @@ class Program:
         seq = conn.send(pb.Op(execute=x))
         for k in donate:
             if k not in f.mutated:
-                inputs[k]._donated = f.name
+                _mark_donated(inputs[k], f.name, g)
         origin = f.origin
         arrays = [Array(slice_, b, seq, shape, dtype, spec, origin, hlo)
                   for b, ((shape, dtype), spec, hlo) in zip(out_ids, f.outs)]
@@ -463,7 +463,7 @@ class Program:
         written = traced.written_by
         for k in donate:
             if k not in mutated:
-                inputs[k]._donated = self.name
+                _mark_donated(inputs[k], self.name, graph_mod.current())
         origin = f"program '{self.name}'"
         arrays = []
         for o, (bid, (shape, dtype), spec, hlo) in enumerate(zip(
@@ -490,7 +490,8 @@ class Program:
         aliases it); an input moved from another slice gets the update moved back."""
         if new.slice is not target.slice:
             new = new.to(target.slice, target.sharding)
-        old = target._id
+        old, old_seq, old_origin = target._id, target._seq, target._origin
+        old_sharding, old_hlo = target.sharding, target.hlo_sharding
         # take over new's buffer: new must not release it when it is dropped
         target._id, target._seq, target._origin = new._id, new._seq, new._origin
         target.sharding, target.hlo_sharding = new.sharding, new.hlo_sharding
@@ -502,6 +503,13 @@ class Program:
         g = graph_mod.current()
         if g is not None:
             g.keep(husk)
+            before = (old, old_seq, old_origin, old_sharding, old_hlo)
+
+            def undo():         # the block raised: the update will never run
+                (target._id, target._seq, target._origin, target.sharding,
+                 target.hlo_sharding) = before
+                husk._id = None
+            g.on_abort(undo)
 
     # ------------------------------------------------------------------ helpers
     def _fast_key(self, args, kwargs, dynamic: list, slice_) -> Optional[tuple]:
@@ -629,6 +637,15 @@ def program(fn: Optional[Callable] = None, *, out_specs: Any = None,
 
 
 _reshards: dict = {}
+
+
+def _mark_donated(a: Array, program: str, g) -> None:
+    """``a`` was given to ``program`` to reuse its memory: later uses are refused (in a
+    graph block that raises, the mark is taken back)."""
+    before = a._donated
+    a._donated = program
+    if g is not None:
+        g.on_abort(lambda: setattr(a, "_donated", before))
 
 
 _copy_program: list = []
