@@ -410,6 +410,35 @@ EXACT = {
     "amin and amax scattered into bools": lambda i, n: [
         (i > 0).scatter_reduce(1, i.abs() % 8, i > 2, r, include_self=False)
         for r in ("amin", "amax")],
+    # (stop 41, a user's probe of the Array API) torch_xla divided integers in float32
+    # (100_000_007 // 3 came out 33333336); shifted negatives right toward zero; skipped
+    # NaNs in max, min and argmax; truncated a clamp's float bound for an integer
+    # tensor; made arange(0, 1, 0.1) 11 long; gave logsumexp NaN for a row with +inf
+    # and failed it over nothing; failed a complex mean
+    "exact integer division": lambda i, n: [
+        (i * 100_000_007 + 2 ** 40) // 3, (i * 2 ** 58 + 1) // (i + 10),
+        torch.div(i * 2 ** 53 + 1, -3, rounding_mode="trunc"),
+        torch.div(i.int() * 200_000_001, 3, rounding_mode="floor"),
+        (i.to(torch.int8) * 14) // torch.tensor([3, -3, 7, -7, 2, -2, 5, -5],
+                                                dtype=torch.int8)],
+    "arithmetic right shifts": lambda i, n: [i >> 1, i.int() >> 2,
+                                             i >> torch.tensor(1)],
+    "max, min and their indices propagate NaN": lambda i, n: [
+        n.max(), n.min(), n.reshape(2, 3).amax(1), n.reshape(2, 3).max(1),
+        n.reshape(3, 2).min(0, keepdim=True), n.argmax(), n.reshape(2, 3).argmin(1),
+        n.argmax(keepdim=True), n.nan_to_num().max(), i.amax(), i.max(1)],
+    "clamp of integers with a float bound": lambda i, n: [
+        i.clamp(min=2.5), i.clamp(-1.5, 2.5), i.clamp(max=3)],
+    "arange with a float step": lambda i, n: [
+        torch.arange(0, 1, 0.1), torch.arange(2.5), torch.arange(1, -1, -0.3),
+        torch.arange(0, 1, 0.1, dtype=torch.float64), torch.arange(0, 10, 3)],
+    "logsumexp with infinities and over nothing": lambda i, n: [
+        torch.tensor([[1.0, math.inf], [-math.inf, -math.inf], [1.0, 2.0]],
+                     device=n.device).logsumexp(1),
+        n[:0].reshape(0, 3).logsumexp(0), n.reshape(2, 3).logsumexp((0, 1), True)],
+    "mean of complex numbers": lambda i, n: [
+        torch.complex(i.float(), i.flip(1).float()).mean(),
+        torch.complex(i.float(), -i.float()).mean(0)],
 }
 
 

@@ -233,6 +233,206 @@ def remainder(a, b):
     return torch.where(fix, r + b, r)
 
 
+def _integers(*xs) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) or
+               isinstance(x, torch.Tensor) and not x.is_floating_point() and
+               not x.is_complex() and x.dtype != torch.bool for x in xs)
+
+
+#: float32 refinements an exact integer quotient needs, by the dividend's bits
+_QUOTIENT_STEPS = {torch.int64: 4, torch.int32: 2}
+
+
+def _exact_quotient(a: torch.Tensor, b, floor: bool) -> torch.Tensor:
+    """``a // b`` or ``trunc(a / b)`` of integers, exact for every value. torch_xla
+    divides integers in float32 (``100_000_007 // 3`` came out 33333336; 2**62 // 3
+    off by 4.6e10), while fmod is an integer remainder: the dividend less it is a
+    multiple of b, whose quotient float32 steps then find exactly (each gains ~23
+    bits, and an error under 0.5 rounds away)."""
+    rt = torch.result_type(a, b)
+    a = a.to(rt)
+    b = b.to(rt) if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=rt,
+                                                                  device=a.device)
+    r = torch.fmod(a, b)
+    n = a - r
+    q = torch.zeros_like(n)
+    for _ in range(_QUOTIENT_STEPS.get(rt, 1)):
+        q = q + torch.round((n - q * b).to(torch.float32) / b.to(torch.float32)).to(rt)
+    if floor:
+        q = q - ((r != 0) & ((r < 0) != (b < 0))).to(rt)
+    return q
+
+
+def div_rounding(a, b, *, rounding_mode=None):
+    """``torch.div(a, b, rounding_mode="trunc" | "floor")`` of integers (and ``//``):
+    exact (``_exact_quotient``)."""
+    if rounding_mode is None or not _integers(a, b) or not isinstance(a, torch.Tensor):
+        return NotImplemented
+    return _exact_quotient(a, b, rounding_mode == "floor")
+
+
+def floor_divide(a, b):
+    if not _integers(a, b) or not isinstance(a, torch.Tensor):
+        return NotImplemented
+    return _exact_quotient(a, b, True)
+
+
+def right_shift(a, b):
+    """``a >> b`` of integers, an arithmetic shift as torch's (torch_xla divided by
+    2**b, rounding toward zero: -1 >> 1 came out 0, not -1)."""
+    if not _integers(a, b) or not isinstance(a, torch.Tensor):
+        return NotImplemented
+    return torch.bitwise_right_shift(a, b)
+
+
+def clamp_promoted(x, min=None, max=None):
+    """``clamp`` of an integer tensor with a float bound: torch computes it in the
+    float result type (``[3, -1].clamp(min=2.5)`` is [3.0, 2.5]); torch_xla truncated
+    the bound to an integer first (2.0)."""
+    bounds = [v for v in (min, max) if v is not None]
+    if x.is_floating_point() or x.is_complex() or not any(
+            isinstance(v, float) for v in bounds):
+        return NotImplemented
+    rt = torch.result_type(x, next(v for v in bounds if isinstance(v, float)))
+    return torch.clamp(x.to(rt), min, max)
+
+
+def _float_arange(start, end, step, kw):
+    """torch.arange with a floating result as torch computes it: ``ceil((end - start)
+    / step)`` values, each ``start + i * step`` in double, rounded once. torch_xla gave
+    ``arange(0, 1, 0.1)`` 11 values (torch: 10)."""
+    nums = (start, end, step)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in nums):
+        return NotImplemented
+    dtype = kw.get("dtype")
+    if dtype is None:
+        dtype = (torch.get_default_dtype() if any(isinstance(v, float) for v in nums)
+                 else torch.int64)
+    if not dtype.is_floating_point or step == 0:
+        return NotImplemented
+    n = max(0, math.ceil((end - start) / step))
+    i = torch.arange(n, dtype=torch.int64, device=kw.get("device"))
+    return (start + i.to(torch.float64) * step).to(dtype)
+
+
+def arange_end(end, **kw):
+    return _float_arange(0, end, 1, kw)
+
+
+def arange_start(start, end, **kw):
+    return _float_arange(start, end, 1, kw)
+
+
+def arange_step(start, end, step=1, **kw):
+    return _float_arange(start, end, step, kw)
+
+
+def _nan_count(x: torch.Tensor, dims, keepdim: bool) -> torch.Tensor:
+    return torch.ops.aten.sum.dim_IntList(torch.isnan(x), dims, keepdim,
+                                          dtype=torch.int32)
+
+
+def _dims(x: torch.Tensor, dim) -> list:
+    if dim is None:
+        return list(range(x.dim()))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return [d % max(x.dim(), 1) for d in dims] or list(range(x.dim()))
+
+
+def _nan_extreme(op):
+    """max, min, amax and amin of a floating tensor as torch's: NaN wherever one is
+    among the values reduced (torch_xla's skipped NaNs: max([1, nan, 3]) came out 3).
+    Other tensors take ``_whole``'s dimensions."""
+    whole = _whole(op)
+
+    @outermost
+    def run(x, dim=None, keepdim=False):
+        if not x.is_floating_point() or x.numel() == 0 or x.dim() == 0:
+            return whole(x, dim, keepdim)
+        dims = _dims(x, dim)
+        out = op(x, dims, keepdim)
+        nan = torch.full((), math.nan, dtype=x.dtype, device=x.device)
+        return torch.where(_nan_count(x, dims, keepdim) > 0, nan, out)
+    run.__name__ = op.__name__
+    return run
+
+
+def _nan_extreme_all(amax):
+    """``x.max()`` / ``x.min()`` (every element) with torch's NaN: ``amax`` (the
+    table's ``_nan_extreme`` amax or amin) over every dimension."""
+    def run(x):
+        return amax(x, None, False)
+    return run
+
+
+def _nan_arg(op):
+    """argmax / argmin of a floating tensor as torch's: the first NaN's index where
+    there is one (torch_xla skipped NaNs)."""
+    @outermost
+    def run(x, dim=None, keepdim=False):
+        if not x.is_floating_point() or x.numel() == 0 or x.dim() == 0:
+            return NotImplemented
+        flat = dim is None
+        v = x.reshape(-1) if flat else x
+        d = 0 if flat else dim % x.dim()
+        k = keepdim and not flat
+        first_nan = torch.argmax(torch.isnan(v).to(torch.int8), d, k)
+        out = torch.where(_nan_count(v, [d], k) > 0, first_nan, op(v, d, k))
+        return out.reshape([1] * x.dim()) if flat and keepdim else out
+    run.__name__ = op.__name__
+    return run
+
+
+def _nan_extreme_dim(op):
+    """``x.max(dim)`` / ``x.min(dim)``: values and indices with torch's NaN (the first
+    NaN's index)."""
+    @outermost
+    def run(x, dim, keepdim=False):
+        if not x.is_floating_point() or x.numel() == 0 or x.dim() == 0:
+            return NotImplemented
+        d = dim % x.dim()
+        values, indices = op(x, d, keepdim)
+        has = _nan_count(x, [d], keepdim) > 0
+        first_nan = torch.argmax(torch.isnan(x).to(torch.int8), d, keepdim)
+        nan = torch.full((), math.nan, dtype=x.dtype, device=x.device)
+        return torch.where(has, nan, values), torch.where(has, first_nan, indices)
+    run.__name__ = op.__name__
+    return run
+
+
+def logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """torch.logsumexp as torch's kernel computes it: the maximum taken out unless it
+    is infinite (a row holding +inf is inf, not NaN; a row of -inf is -inf); over an
+    empty dimension -inf (XLA's maximum of nothing failed to compile). Integer tensors
+    as floats, as torch promotes them."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return logsumexp(x.to(torch.get_default_dtype()), dim, keepdim)
+    if x.is_complex() or x.dtype in _HALF:
+        return NotImplemented                     # (half: opmath's own formula)
+    dims = _dims(x, dim)
+    if x.numel() == 0:
+        shape = [1 if d in dims else n for d, n in enumerate(x.shape)
+                 if keepdim or d not in dims]
+        return torch.full(shape, -math.inf, dtype=x.dtype, device=x.device)
+    m = torch.ops.aten.amax.default(x, dims, True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    out = (x - m).exp().sum(dims, keepdim=keepdim).log()
+    return out + (m if keepdim else m.squeeze(dims))
+
+
+def _complex_mean(op, other):
+    """A mean of a complex tensor: its sum over the count (torch_xla's failed: "Invalid
+    type for NanValue (C64)"); other dtypes go to ``other``."""
+    def run(x, *args, **kwargs):
+        if not x.is_complex() or kwargs.get("dtype") is not None:
+            return other(x, *args, **kwargs)
+        dims = _dims(x, args[0] if args else kwargs.get("dim"))
+        keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+        count = math.prod(x.shape[d] for d in dims)
+        return torch.ops.aten.sum.dim_IntList(x, dims, keepdim) / count
+    return run
+
+
 def heaviside(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """torch's kernel, ``values`` where ``x == 0``, else ``x > 0``: torch's
     decomposition failed to lower for integers and bools (an untyped error about a
@@ -748,6 +948,7 @@ def table() -> Dict[object, Callable]:
     from . import dft, pooling, resample, special
     aten = torch.ops.aten
     out: Dict[object, Callable] = {**resample.table(), **pooling.table()}
+    amax, amin = _nan_extreme(aten.amax.default), _nan_extreme(aten.amin.default)
     out.update({
         aten.histc.default: histc,
         **{getattr(aten.linspace, ov): linspace
@@ -788,10 +989,29 @@ def table() -> Dict[object, Callable]:
         **{op: _broadcasting(op) for op in (aten.clamp_min.Tensor, aten.clamp_max.Tensor)},
         aten.aminmax.default: aminmax,
         aten._linalg_svd.default: linalg_svd,
-        **{op: _whole(op) for op in (aten.amax.default, aten.amin.default)},
-        **{op: _wide(op, _whole(op)) for op in (aten.sum.dim_IntList, aten.mean.dim)},
-        **{op: _wide(op) for op in (aten.sum.default, aten.mean.default,
-                                    aten.cumsum.default)},
+        aten.amax.default: amax,
+        aten.amin.default: amin,
+        aten.max.default: _nan_extreme_all(amax),
+        aten.min.default: _nan_extreme_all(amin),
+        aten.max.dim: _nan_extreme_dim(aten.max.dim),
+        aten.min.dim: _nan_extreme_dim(aten.min.dim),
+        aten.argmax.default: _nan_arg(aten.argmax.default),
+        aten.argmin.default: _nan_arg(aten.argmin.default),
+        aten.sum.dim_IntList: _wide(aten.sum.dim_IntList, _whole(aten.sum.dim_IntList)),
+        aten.mean.dim: _complex_mean(aten.mean.dim, _wide(aten.mean.dim,
+                                                          _whole(aten.mean.dim))),
+        aten.mean.default: _complex_mean(aten.mean.default, _wide(aten.mean.default)),
+        **{op: _wide(op) for op in (aten.sum.default, aten.cumsum.default)},
+        aten.div.Tensor_mode: div_rounding,
+        aten.div.Scalar_mode: div_rounding,
+        aten.floor_divide.default: floor_divide,
+        aten.floor_divide.Scalar: floor_divide,
+        aten.__rshift__.Scalar: right_shift,
+        aten.__rshift__.Tensor: right_shift,
+        aten.clamp.default: clamp_promoted,
+        aten.arange.default: arange_end,
+        aten.arange.start: arange_start,
+        aten.arange.start_step: arange_step,
         aten.nansum.default: nansum,
         aten.count_nonzero.default: count_nonzero,
         aten.count_nonzero.dim_IntList: count_nonzero,
@@ -801,7 +1021,7 @@ def table() -> Dict[object, Callable]:
                                  aten.isposinf.default, aten.isneginf.default)},
         aten.erfc.default: _of_floats(aten.erfc.default),
         aten.erfinv.default: _of_floats(aten.erfinv.default),
-        aten.logsumexp.default: _of_floats(aten.logsumexp.default),
+        aten.logsumexp.default: logsumexp,
         aten.pow.Tensor_Tensor: integer_pow,
         **{op: _by_torch(op, half=False, float64=True) for op in (
             aten.gelu.default, aten.gelu_backward.default, aten.threshold.default,
