@@ -638,3 +638,71 @@ def test_a_graph_block_that_raises_leaves_its_inputs_as_they_were(s4):
         z = double(y)
     assert torch.equal(x.torch(), torch.ones(4))
     assert torch.equal(z.torch(), torch.full((4,), 2.0))
+
+
+def test_programs_inside_programs_methods_and_odd_arguments(s4):
+    """A program called inside another is part of its trace (it said "got no pw.Array
+    input: pw.put one of its inputs first"); ``@pw.program`` on a method binds
+    ``self`` (a TypeError for the missing argument); numpy scalars are numbers as torch
+    takes them (np.float32 was refused, np.float64 taken); dataclass inputs are pytrees;
+    ``pw.wait([])`` returns (a ValueError)."""
+    import dataclasses
+    import numpy as np
+    x = pw.put(torch.arange(4.0), s4)
+    inner = pw.program(lambda t: t * 2)
+    outer = pw.program(lambda t: inner(t) + 1)
+    assert torch.equal(outer(x).torch(), torch.arange(4.0) * 2 + 1)
+
+    class Scale:
+        def __init__(self, k):
+            self.k = k
+
+        @pw.program
+        def apply(self, t):
+            return t * self.k
+    a, b = Scale(3.0), Scale(-1.0)
+    assert torch.equal(a.apply(x).torch(), torch.arange(4.0) * 3)
+    assert torch.equal(b.apply(x).torch(), -torch.arange(4.0))
+    assert a.apply is a.apply                      # one program per object
+    scale = pw.program(lambda t, k: t * k)
+    for k in (np.float32(0.1), np.float64(0.1), np.int64(3), np.bool_(True)):
+        torch.testing.assert_close(scale(x, k).torch(), torch.arange(4.0) * k)
+
+    @dataclasses.dataclass
+    class Pair:
+        left: torch.Tensor
+        right: torch.Tensor
+    add = pw.program(lambda p: p.left + p.right)
+    assert torch.equal(add(Pair(x, x)).torch(), torch.arange(4.0) * 2)
+    pw.wait([])
+
+
+def test_a_generator_or_a_seed_inside_a_program_is_said(s4):
+    """``torch.randn(..., generator=g)`` failed the trace with torch's bare
+    "NotImplementedError: argument of type: <class 'torch._C.Generator'>", and
+    ``torch.manual_seed`` inside the function was silently without effect on the
+    program's draws."""
+    x = pw.put(torch.zeros(4), s4)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(pw.TraceError, match="a torch.Generator of its own .* remove "
+                       "generator="):
+        pw.program(lambda t: t + torch.rand(t.shape, generator=gen))(x)
+
+    def seeded(t):
+        torch.manual_seed(0)
+        return t + torch.rand(t.shape)
+    with pytest.warns(UserWarning, match="seeded or drew from torch's generator while it "
+                      "was traced"):
+        pw.program(seeded)(x)
+
+
+def test_a_packed_sequence_batch_is_refused_with_what_to_do(s4):
+    from torch.nn.utils.rnn import pack_padded_sequence
+    model = torch.nn.Linear(3, 2)
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    torch.nn.functional.mse_loss, slice=s4)
+    packed = pack_padded_sequence(torch.randn(4, 5, 3), torch.tensor([5, 4, 2, 1]),
+                                  batch_first=True)
+    with pytest.raises(pw.ShapeError, match="a PackedSequence batch cannot be placed .* "
+                       "Pass the padded batch and the lengths"):
+        tr.step(packed, torch.zeros(4, 2))

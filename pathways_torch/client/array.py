@@ -358,6 +358,8 @@ def wait(arrays: Any, timeout: Optional[float] = None) -> None:
                                             "what": a._what()})
         g["ids"].append(a._id)
         g["seq"] = max(g["seq"], seq_of(a._seq))
+    if not groups:
+        return                      # nothing to wait for (as block_until_ready([]))
     if len(groups) == 1:
         (g,) = groups.values()
         g["conn"].wait(g["ids"], g["seq"], g["what"], timeout)

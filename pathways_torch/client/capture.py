@@ -321,6 +321,13 @@ def _user_error(name: str, sig: str, e: BaseException) -> PathwaysError:
             f"program '{name}' uses {e.func}, which has no shape function in torch, so it "
             "cannot be traced without running it; compute it outside the program")
     text = str(e)
+    if isinstance(e, NotImplementedError) and "Generator" in text:
+        return TraceError(
+            f"program '{name}' draws random numbers with a torch.Generator of its own "
+            f"(generator=){_user_line(e)}. A program's random ops draw from its seed, "
+            "a new one each call (pw.init(seed=), or torch.manual_seed before the calls, "
+            "repeats a run): remove generator=, or draw the numbers outside the program "
+            "and pass them in to have the same ones every call")
     if "INTERNAL ASSERT" in text:
         return TraceError(f"tracing program '{name}' with inputs ({sig}) hit an internal "
                           f"error in torch: {type(e).__name__}: {text}\n{_REPORT}")
@@ -346,6 +353,14 @@ def _from_shape_check(e: BaseException) -> bool:
     return False
 
 
+_tracing = threading.local()
+
+
+def tracing_now() -> bool:
+    """Whether this thread is inside a program's function, tracing it."""
+    return getattr(_tracing, "depth", 0) > 0
+
+
 def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args,
            device) -> Tuple[Any, dict]:
     """The functional ATen graph of ``fn`` on ``fakes``; info: output tree and statics."""
@@ -354,8 +369,12 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args,
 
     def flat_fn(*tensors):
         args, kwargs = build_args(list(tensors))
-        out = fn(*args, **kwargs)
-        _register_dataclasses(out)
+        _tracing.depth = getattr(_tracing, "depth", 0) + 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _tracing.depth -= 1
+        register_dataclasses(out)
         out = _open_objects(out)
         leaves, tree = pytree.tree_flatten(out)
         info["tree"] = tree
@@ -424,9 +443,10 @@ def _refuse_captured_writes(gm, name: str) -> None:
                     "pw.Trainer, or call model.eval() for inference")
 
 
-def _register_dataclasses(value, depth: int = 0) -> None:
-    """Dataclass outputs (a model's output type) become pytree nodes, so their tensors
-    are outputs of the program and the caller gets the same dataclass of Arrays."""
+def register_dataclasses(value, depth: int = 0) -> None:
+    """Dataclass outputs (a model's output type) and inputs become pytree nodes, so
+    their tensors are outputs (inputs) of the program and the caller gets the same
+    dataclass of Arrays."""
     if depth > 8:
         return
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -444,7 +464,7 @@ def _register_dataclasses(value, depth: int = 0) -> None:
     else:
         return
     for c in children:
-        _register_dataclasses(c, depth + 1)
+        register_dataclasses(c, depth + 1)
 
 
 class _Opened:
@@ -725,8 +745,17 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fakes = [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in in_avals]
         del mode
+        torch_rng = torch.random.get_rng_state()
         with hostrng.watch() as draws:
             gm, info = _graph(fn, name, sig, fakes, build_args, dev)
+        if not torch.equal(torch_rng, torch.random.get_rng_state()):
+            warn_at_caller(
+                f"program '{name}' seeded or drew from torch's generator while it was "
+                "traced (torch.manual_seed inside the function?): that runs once, at the "
+                "trace, and does not reach the program's random ops, which take a new "
+                "seed each call. Seed outside the program (torch.manual_seed or "
+                "pw.manual_seed before the calls) to repeat a run; to have the same "
+                "numbers every call, draw them outside and pass them in", UserWarning)
         if draws:
             warn_at_caller(
                 f"program '{name}' drew random numbers from Python's or numpy's global "

@@ -26,6 +26,7 @@ import functools
 import itertools
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
@@ -40,6 +41,7 @@ from ..sharding import P, as_spec, spec_from_proto, spec_to_proto, validate_spec
 from . import graph as graph_mod
 from . import runtime, torch_paths
 from .array import Array, put, wait
+from . import capture
 from .capture import TENSOR, Traced, trace
 
 _STATIC_TYPES = (int, float, bool, str, type(None), complex, torch.dtype)
@@ -215,6 +217,30 @@ class Program:
         self._fast: dict = {}       # (slice uid, (shape, dtype, spec) per arg) -> _Fast
         self._fast_tree: dict = {}  # (slice uid, _tree_key of (args, kwargs)) -> _Fast
         self._lock = threading.Lock()
+        self._bound: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._bound_by_id: dict = {}            # (object, program) of unhashable ones
+
+    def __get__(self, obj, objtype=None):
+        """``@pw.program`` on a method: the program bound to ``obj``, one per object.
+        What it reads from ``obj`` is taken as a closure's values are: tensors are read
+        again when changed in place, Python attributes are fixed at the trace (pass
+        what changes as an argument). ``donate_argnums`` count ``self`` as 0, as the
+        method's signature does."""
+        if obj is None:
+            return self
+        try:
+            bound = self._bound.get(obj)
+        except TypeError:                       # an unhashable object
+            bound = self._bound_by_id.get(id(obj), (None, None))[1]
+        if bound is None:
+            bound = Program(functools.partial(self.fn, obj), out_specs=self.out_specs,
+                            name=self.name, seeds=self._seeds,
+                            donate_argnums=tuple(k - 1 for k in self.donate_argnums if k))
+            try:
+                self._bound[obj] = bound
+            except TypeError:
+                self._bound_by_id[id(obj)] = (obj, bound)
+        return bound
 
     def draws_random(self) -> bool:
         """Whether a trace of this program draws random numbers (takes a seed per call)."""
@@ -222,6 +248,10 @@ class Program:
 
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
+        if capture.tracing_now():
+            # called from inside another program (or a Trainer's model): part of that
+            # trace, as a nested jax.jit is part of its caller's
+            return self.fn(*args, **kwargs)
         rec = tracing.CLIENT
         if not rec.on:
             return self._call(args, kwargs)
@@ -371,13 +401,22 @@ class Program:
 
     def _slow_call(self, args, kwargs):
         state = runtime.get_state()
+        capture.register_dataclasses((args, kwargs))    # dataclass inputs: pytree nodes
         leaves, tree = pytree.tree_flatten((args, kwargs))
         donated_leaves = self._donated_leaves(args)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, np.generic):         # np.float32(0.5): a Python number,
+                leaves[i] = leaf.item()               # as torch takes it
         slice_ = next((leaf.slice for leaf in leaves if isinstance(leaf, Array)), None)
         if slice_ is None:
+            bad = next((leaf for leaf in leaves if not isinstance(
+                leaf, (torch.Tensor, np.ndarray) + _STATIC_TYPES)), None)
             raise PlacementError(
                 f"program '{self.name}' got no pw.Array input, so it does not know which "
-                "slice to run on: pw.put one of its inputs first")
+                "slice to run on: pw.put one of its inputs first" + (
+                    "" if bad is None else
+                    f" (an argument of type {type(bad).__name__} is opaque to it: pass "
+                    "tensors and Arrays in dicts, lists, tuples or dataclasses)"))
         runtime.check_alive(slice_)
 
         key_parts, dyn_pos, avals = [], [], []

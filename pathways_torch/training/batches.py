@@ -9,7 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..client.array import Array, put
-from ..errors import PlacementError, ShardingError
+from ..errors import PlacementError, ShapeError, ShardingError
 from ..sharding import P, validate_spec
 
 
@@ -28,6 +28,19 @@ def _place_batch(value, slice_, axis: Optional[str]):
     not tensors (strings, numbers, None) stay Python values (static in the program).
     A batch the axis does not divide (a DataLoader's last, partial batch) is placed
     replicated: every device computes all of it, and the step has torch's numbers."""
+    from torch.nn.utils.rnn import PackedSequence
+    packed = [leaf for leaf in pytree.tree_leaves(
+        value, is_leaf=lambda v: isinstance(v, PackedSequence))
+        if isinstance(leaf, PackedSequence)]
+    if packed:
+        raise ShapeError(
+            "a PackedSequence batch cannot be placed on the devices: its length is the "
+            "sum of the sequence lengths (a new shape each batch), and the RNN reads its "
+            "batch_sizes on the CPU. Pass the padded batch and the lengths instead, "
+            "give the RNN the padded batch, and take each sequence's last output with "
+            "out.gather(1, (lengths - 1).view(-1, 1, 1).expand(-1, 1, out.shape[2])) "
+            "(or mask the padding): the same hidden state for a unidirectional RNN")
+
     def place(t):
         if isinstance(t, Array) or not isinstance(t, (torch.Tensor, np.ndarray)):
             return t            # an Array as it is; strings, numbers, None are static
