@@ -585,6 +585,10 @@ OPMATH = {
         0, torch.arange(4096) % 64, a),
     "scatter_add (64 sources a row)": lambda a, b: torch.zeros(64, dtype=a.dtype).scatter_add(
         0, torch.arange(4096) % 64, a),
+    # (stop 41) a Python number is taken in float32, not rounded to the half type first:
+    # float16 / 70000.0 came out 0 (70000 is inf in float16), torch's 1.4e-05
+    "products and quotients with numbers past float16's range": lambda a, b: torch.cat([
+        a / 70000.0, a * 1e-8 * 3e4, a * 70000.0 / 70000.0, a / 3.3]),
 }
 
 

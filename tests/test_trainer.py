@@ -411,15 +411,13 @@ def test_pipeline_batch_norm_statistics_move_in_micro_batch_order(pipe_slices, b
             assert torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("stages,per_program,axis", [(3, 2, None), (2, 4, "data")],
-                         ids=["3_stages_groups_of_2", "2_data_parallel_stages_one_group_of_4"])
-def test_pipeline_groups_of_micro_batches_per_program_equal_plain_torch(cluster8, stages,
-                                                                        per_program, axis):
-    """``Pipeline(per_program=k)``: each stage program computes k micro-batches in turn
-    (fewer, larger programs). Still GPipe over every micro-batch: each normalised by
-    itself (BatchNorm in the first and the last stage), gradients summed in order, so
-    the numbers are per_program=1's to the bit; and a step runs k times fewer programs
-    on each stage."""
+def check_grouped_pipeline(slices, per_program, axis=None):
+    """``Pipeline(per_program=k)`` over ``slices`` against torch and against
+    ``per_program=1``: each stage program computes k micro-batches in turn (fewer,
+    larger programs). Still GPipe over every micro-batch: each normalised by itself
+    (BatchNorm in the first and the last stage), gradients summed in order, so the
+    numbers are per_program=1's to the bit; and a step runs k times fewer programs on
+    each stage."""
     m_count = 4
     g = torch.Generator().manual_seed(2)
     data = [(torch.randn(16, 6, generator=g), torch.randint(0, 5, (16,), generator=g))
@@ -441,39 +439,50 @@ def test_pipeline_groups_of_micro_batches_per_program_equal_plain_torch(cluster8
             loss += part.item()
         opt.step()
         want.append(loss)
-    slices = [pw.slice((2,), axis_names=("data",)) if axis else pw.slice((1,))
-              for _ in range(stages)]
-    try:
-        trained, ran = {}, {}
-        for k in (per_program, 1):
-            mine = copy.deepcopy(model)
-            tr = pw.Trainer(mine, make_opt(mine.parameters()),
-                            F.cross_entropy, parallelism=pw.Pipeline(
-                                stages, m_count, slices, axis=axis, per_program=k))
-            got = []
-            for x, y in data:
-                before = slices[0].stats().executed
-                got.append(float(tr.step(x, y)))
-                ran[k] = slices[0].stats().executed - before
-            assert_losses_match(got, want)
-            trained[k] = tr.sync_to(copy.deepcopy(model)).state_dict()
-        # within float32 rounding of torch (BatchNorm's variance of 4 rows, momentum SGD)
-        for (n, a), b in zip(trained[per_program].items(), ref.state_dict().values()):
-            if a.is_floating_point():
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4,
-                                           msg=lambda e, n=n: f"{n}: {e}")
-            else:
-                assert torch.equal(a, b), n
-        for n, a in trained[per_program].items():
-            assert torch.equal(a, trained[1][n]), n
-        # the first stage: a forward and a backward per group or micro-batch, the update
-        assert ran == {per_program: 2 * m_count // per_program + 1, 1: 2 * m_count + 1}
-    finally:
-        for s in slices:
-            s.release()
+    trained, ran = {}, {}
+    for k in (per_program, 1):
+        mine = copy.deepcopy(model)
+        tr = pw.Trainer(mine, make_opt(mine.parameters()),
+                        F.cross_entropy, parallelism=pw.Pipeline(
+                            len(slices), m_count, slices, axis=axis, per_program=k))
+        got = []
+        for x, y in data:
+            before = slices[0].stats().executed
+            got.append(float(tr.step(x, y)))
+            ran[k] = slices[0].stats().executed - before
+        assert_losses_match(got, want)
+        trained[k] = tr.sync_to(copy.deepcopy(model)).state_dict()
+    # within float32 rounding of torch (BatchNorm's variance of 4 rows, momentum SGD)
+    for (n, a), b in zip(trained[per_program].items(), ref.state_dict().values()):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4,
+                                       msg=lambda e, n=n: f"{n}: {e}")
+        else:
+            assert torch.equal(a, b), n
+    for n, a in trained[per_program].items():
+        assert torch.equal(a, trained[1][n]), n
+    # the first stage: a forward and a backward per group or micro-batch, the update
+    assert ran == {per_program: 2 * m_count // per_program + 1, 1: 2 * m_count + 1}
+
+
+@pytest.mark.parametrize("per_program", [2, 4])
+def test_pipeline_groups_of_micro_batches_per_program_equal_plain_torch(pipe_slices,
+                                                                        per_program):
+    check_grouped_pipeline(pipe_slices, per_program)
     with pytest.raises(pw.PathwaysError, match="per_program must be a positive integer "
                        "that divides microbatches"):
-        pw.Pipeline(2, 4, slices, per_program=3)
+        pw.Pipeline(2, 4, pipe_slices, per_program=3)
+
+
+def test_a_batch_whose_tensors_differ_in_rows_is_not_cut_into_micro_batches(pipe_slices):
+    """Micro-batches take rows of dimension 0 of every tensor: targets flattened to
+    (sequence x batch) beside (batch, ...) inputs would pair other rows, silently."""
+    model = deep_model()
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                    parallelism=pw.Pipeline(2, 2, pipe_slices))
+    with pytest.raises(pw.ShapeError, match="do not all have a row per sample \(8 rows "
+                       "in inputs tensor 0 \(8, 16\); 16 rows in targets tensor 0"):
+        tr.step(torch.randn(8, 16), torch.randint(0, 4, (16,)))
 
 
 def test_pipeline_needs_a_sequential_and_enough_slices(cluster8):

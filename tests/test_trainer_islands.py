@@ -7,8 +7,8 @@ import torch
 
 import pathways_torch as pw
 
-from test_trainer import OPTIMIZERS, assert_losses_match, deep_model, loss_fn, make_data, \
-    torch_losses
+from test_trainer import OPTIMIZERS, assert_losses_match, check_grouped_pipeline, \
+    deep_model, loss_fn, make_data, torch_losses
 from trainer_helpers import fp16_batches, fp16_model, torch_fp16_train
 
 
@@ -43,6 +43,12 @@ def test_pipeline_across_islands(islands):
                     parallelism=pw.Pipeline(2, 4, islands))
     assert_losses_match([float(tr.step(x, y)) for x, y in data],
                         torch_losses(ref, make_opt, data))
+
+
+def test_a_data_parallel_pipeline_in_groups_of_micro_batches_across_islands(islands):
+    """``per_program=2`` with stages split over "data": a group's activations move
+    stacked, split along their batch dimension (1), island to island."""
+    check_grouped_pipeline(islands, 2, axis="data")
 
 
 def test_multi_island_follows_requires_grad_between_steps(islands):

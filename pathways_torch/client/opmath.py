@@ -34,6 +34,10 @@ OPS = (
     ("addcmul", "default"), ("addcmul_", "default"),
     ("addcdiv", "default"), ("addcdiv_", "default"),
     ("add", "Tensor"), ("add_", "Tensor"), ("sub", "Tensor"), ("sub_", "Tensor"),
+    # with a Python number only (``h / 70000.0``): torch's kernel takes the number in
+    # float32, torch_xla rounded it to the half type first (70000 is inf in float16,
+    # so the quotient came out 0 for torch's 1.4e-05)
+    ("mul", "Tensor"), ("div", "Tensor"),
     ("addmm", "default"), ("baddbmm", "default"),
     ("gelu", "default"), ("gelu_backward", "default"),
     ("silu", "default"), ("silu_", "default"), ("silu_backward", "default"),
@@ -106,6 +110,9 @@ def _skip(name: str, args, kwargs) -> bool:
     already), a softmax asked for float32 output, a reduction given its dtype."""
     if name.rstrip("_") in ("add", "sub"):
         return kwargs.get("alpha", 1) == 1
+    if name in ("mul", "div"):
+        return not any(isinstance(a, (int, float)) and not isinstance(a, bool)
+                       for a in args) or "rounding_mode" in kwargs
     if name in ("_softmax", "_log_softmax"):
         return bool(args[2]) if len(args) > 2 else False
     if name.rstrip("_") == "index_add":     # torch adds into a vector in its own type

@@ -63,6 +63,26 @@ def _moved(tree, slice_):
                            else a.to(slice_), tree)
 
 
+def split_pair(inputs, targets, n: int, what: str) -> tuple:
+    """``_split`` of a batch's inputs and targets, after checking that every tensor in
+    them has as many rows: a micro-batch (an island's share) takes the same rows of
+    each, which pairs samples only if dimension 0 is the batch in all of them."""
+    rows = {}
+    for name, value in (("inputs", inputs), ("targets", targets)):
+        for i, t in enumerate(pytree.tree_leaves(value)):
+            if isinstance(t, (torch.Tensor, np.ndarray)) and t.ndim:
+                rows.setdefault(t.shape[0], f"{name} tensor {i} {tuple(t.shape)}")
+    if len(rows) > 1:
+        seen = "; ".join(f"{r} rows in {where}" for r, where in rows.items())
+        raise ShapeError(
+            f"the batch is cut into {n} {what} along dimension 0 of every tensor, and "
+            f"its tensors do not all have a row per sample ({seen}): each part would "
+            "pair other rows. Make dimension 0 the batch in every tensor (a "
+            "sequence-first batch batch-first, targets not flattened), and build what "
+            "all samples share (a mask) inside the model")
+    return _split(inputs, n, what), _split(targets, n, what)
+
+
 def _split(value, n: int, what: str) -> list:
     """Split every tensor of a batch pytree into ``n`` equal parts along dimension 0."""
     from ..client.loader import Parts

@@ -6,7 +6,7 @@ import torch
 
 from ..client.array import Array
 from ..client.graph import graph
-from .batches import _moved, _place_batch, _split
+from .batches import _moved, _place_batch, split_pair
 from .programs import make_apply_fn, make_grad_fn
 
 
@@ -15,7 +15,7 @@ def multi_island_step(trainer, inputs, targets, lrs, hyper) -> Array:
     each island's gradients, every island's update with all of them, the mean loss."""
     n = len(trainer.slices)
     axis = trainer.parallelism.axis
-    xs, ys = _split(inputs, n, "islands"), _split(targets, n, "islands")
+    xs, ys = split_pair(inputs, targets, n, "islands")
     # Gradients travel as one flat buffer per island: one transfer, not one per tensor.
     grad_prog = trainer._program("grads", make_grad_fn(trainer.model, trainer.loss_fn,
                                                        trainer.options, flat=True))

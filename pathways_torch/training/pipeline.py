@@ -17,7 +17,7 @@ from ..client.graph import graph
 from ..errors import PathwaysError, TraceError
 from ..parallel.strategies import Pipeline
 from ..sharding import P
-from .batches import _axis_size, _moved, _place_batch, _split
+from .batches import _axis_size, _moved, _place_batch, split_pair
 from . import scaling
 from .programs import (alone, autocast, clip_coef, grad_hooks, grad_square_sum,
                        loss_and_rest, make_apply_fn, mode, reparametrized, requires_grad,
@@ -27,7 +27,7 @@ from .programs import (alone, autocast, clip_coef, grad_hooks, grad_square_sum,
 def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
     """One GPipe step of ``trainer`` (a Pipeline Trainer); returns the mean loss."""
     m = trainer.parallelism.microbatches
-    xs, ys = _split(inputs, m, "microbatches"), _split(targets, m, "microbatches")
+    xs, ys = split_pair(inputs, targets, m, "microbatches")
     stages, slices = trainer._stages, trainer.slices
     axis = trainer.parallelism.axis
     last = len(stages) - 1
