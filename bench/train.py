@@ -140,6 +140,7 @@ def trainer_block(pw, parallelism, slice_, batch):
 RATIOS = (("spmd_parity", "pw_dp4", "torch_xla_spmd4"),
           ("pipeline2_over_spmd2", "pw_pipe2", "pw_dp2"),
           ("pipeline4_over_spmd4", "pw_pipe4", "pw_dp4"),
+          ("pipeline4_x4_over_spmd4", "pw_pipe4_x4", "pw_dp4"),
           ("two_islands_over_one", "pw_two_islands", "pw_dp4"))
 
 
@@ -148,6 +149,9 @@ def measure(pw, slices, baseline: Baseline, batch: int, args) -> dict:
     blocks = {"torch_xla_spmd4": lambda w, n: baseline.rate(batch, w, n),
               "pw_dp4": trainer_block(pw, pw.DataParallel("data"), slices["dp4"], batch),
               "pw_pipe4": trainer_block(pw, pw.Pipeline(4, 8, slices["pipe4"]), None, batch),
+              # the same pipeline, each stage program computing 4 micro-batches in turn
+              "pw_pipe4_x4": trainer_block(pw, pw.Pipeline(4, 8, slices["pipe4"],
+                                                           per_program=4), None, batch),
               "pw_two_islands": trainer_block(pw, pw.MultiIsland(slices["two"], "data"),
                                               None, batch),
               "pw_dp2": trainer_block(pw, pw.DataParallel("data"), slices["dp2"], batch),
