@@ -362,14 +362,20 @@ class Program:
                         not getattr(mine[2], "warns_itself", False):
                     values = seen.setdefault(i, {theirs[2]})
                     values.add(mine[2])
-                    if len(values) >= self.RETRACE_WARN_AT and i not in warned:
-                        warned.add(i)
+                    # (the strings of a batch's list of ids: one warning, not one each)
+                    once = "str" if mine[1] == "str" else i
+                    if len(values) >= self.RETRACE_WARN_AT and once not in warned:
+                        warned.add(once)
                         warnings.warn(
                             f"program '{self.name}' is traced and compiled again for "
                             f"each value of the Python {mine[1]} "
                             f"{self._leaf_name(args, kwargs, i)} ({len(values)} values "
-                            f"so far, now {_static_value(mine)!r}): pass it as a tensor "
-                            "(torch.tensor(value)) to make it an input",
+                            f"so far, now {_static_value(mine)!r}): " + (
+                                "leave it out of the arguments if the function does not "
+                                "use it (a sample's id in a batch dict)"
+                                if mine[1] == "str" else
+                                "pass it as a tensor (torch.tensor(value)) to make it an "
+                                "input"),
                             RetraceWarning, stacklevel=5)
 
     def _check_no_aliased_update(self, tensors, mutated) -> None:
@@ -384,6 +390,24 @@ class Program:
                     f"program '{self.name}' updates its input {k} in place, and the same "
                     "pw.Array is passed as another input too: torch would see the update "
                     "through both, the program traces two tensors. Pass it once")
+
+    def _note_stale(self) -> None:
+        """Count the traces a changed outside tensor caused; warn once at
+        ``RETRACE_WARN_AT`` (a class-weight tensor a ``loss_fn`` closes over, updated
+        in place every step, traced and compiled the step every step, silently)."""
+        self._stale_traces = getattr(self, "_stale_traces", 0) + 1
+        if self._stale_traces == self.RETRACE_WARN_AT:
+            warnings.warn(
+                f"program '{self.name}' is traced and compiled again each time a CPU "
+                "tensor it reads from outside its arguments (a closure's, a global, a "
+                f"module attribute) changes in place ({self._stale_traces} times so far): "
+                "pass that tensor as an argument instead (for a pw.Trainer's loss_fn or "
+                "model: a buffer of the model, model.register_buffer(name, t), read "
+                "through the model and updated in place), which makes it an input. A "
+                "model another pw.Trainer trains, called in a loss_fn (a teacher): "
+                "compute its outputs with that Trainer's predict() before the step and "
+                "pass them in as targets",
+                RetraceWarning, stacklevel=4)
 
     def _leaf_name(self, args, kwargs, i: int) -> str:
         """Flat leaf ``i`` of ``(args, kwargs)`` as the function names it: "tau",
@@ -443,6 +467,7 @@ class Program:
             traced = None
             self._fast.clear()
             self._fast_tree.clear()
+            self._note_stale()
         if traced is None:
             self._note_retrace(key, args, kwargs)
             t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0

@@ -93,20 +93,25 @@ def _plain(v) -> bool:
 
 
 class Attributes:
-    """The Python attributes of the model's modules (numbers, flags, strings, short
-    tuples), and of plain objects they hold (a Hugging Face config), which a traced step
-    keeps as constants: ProGAN's fade-in ``alpha``, an annealed temperature, a dropout
-    or drop-path rate schedule (``m.p = ...``). A change between steps traces the
-    programs again (``RetraceWarning`` once one attribute has taken ``WARN_AT`` values:
-    keep such a value in a buffer, updated in place, which a step takes as an input)."""
+    """What a traced step keeps as constants and a script may change between steps:
+    the Python attributes of the model's modules (numbers, flags, strings, short
+    tuples), and of plain objects they hold (a Hugging Face config): ProGAN's fade-in
+    ``alpha``, an annealed temperature, a dropout or drop-path rate schedule
+    (``m.p = ...``); a tensor a module holds as a plain attribute, assigned anew
+    (``model.mask = new_mask``); and what the ``loss_fn`` and the modules' forwards
+    read from outside (a global ``ALPHA``, a closure's class weights assigned anew, a
+    loss module's ``label_smoothing`` or ``weight``). A change traces the programs again
+    (``RetraceWarning`` once one has taken ``WARN_AT`` values: keep such a value in a
+    buffer, updated in place, which a step takes as an input). Tensors count by
+    identity: one changed in place is the trace's own concern (``Traced.stale``)."""
 
     WARN_AT = 3
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, loss_fn=None) -> None:
         global _INTERNAL
         if not _INTERNAL:
             _INTERNAL = frozenset(torch.nn.Module().__dict__)
-        self.model = model
+        self.model, self.loss_fn = model, loss_fn
         self.seen: Dict[str, set] = {}
         self.warned: Set[str] = set()
         self.traces = -1
@@ -114,32 +119,55 @@ class Attributes:
 
     def record(self) -> None:
         slots, dicts, held = [], [], set()
-        for name, m in self.model.named_modules():
-            d = m.__dict__
-            dicts.append(d)
-            for k, v in d.items():
-                if k in _INTERNAL:
-                    continue
-                path = f"{name}.{k}" if name else k
-                if _plain(v):
-                    slots.append((d, k, path))
-                elif hasattr(v, "__dict__") and not isinstance(v, _SKIP) \
-                        and not callable(v) and id(v) not in held:
-                    held.add(id(v))
-                    inner = vars(v)
-                    dicts.append(inner)
-                    slots += [(inner, k2, f"{path}.{k2}") for k2, v2 in inner.items()
-                              if _plain(v2)]
-        self.slots, self.dicts = slots, dicts
+        fakes = leaks._fake_types()
+        # tensors torch's older reparametrizations recompute in each forward (weight_norm)
+        hooked = {(id(m), name) for m, name, _ in leaks._reparametrized(self.model)}
+        roots = [("model", self.model)]
+        if isinstance(self.loss_fn, torch.nn.Module) and self.loss_fn is not self.model:
+            roots.append(("loss_fn", self.loss_fn))
+        for root, module in roots:
+            for name, m in module.named_modules():
+                d = m.__dict__
+                dicts.append(d)
+                for k, v in d.items():
+                    if k in _INTERNAL:
+                        continue
+                    path = f"{root}.{name}.{k}" if name else f"{root}.{k}"
+                    if _plain(v) or (isinstance(v, torch.Tensor) and
+                                     not isinstance(v, fakes) and (id(m), k) not in hooked):
+                        # (a tensor the traced forward stored is its output, not read)
+                        slots.append((d, k, path))
+                    elif hasattr(v, "__dict__") and not isinstance(v, _SKIP) \
+                            and not callable(v) and id(v) not in held:
+                        held.add(id(v))
+                        inner = vars(v)
+                        dicts.append(inner)
+                        slots += [(inner, k2, f"{path}.{k2}") for k2, v2 in inner.items()
+                                  if _plain(v2)]
+                if root == "loss_fn":           # its weights are constants of the step
+                    for kind in ("_parameters", "_buffers"):
+                        table = d[kind]
+                        dicts.append(table)
+                        slots += [(table, k, f"loss_fn.{name + '.' if name else ''}{k}")
+                                  for k in table]
+        cells = list(_outside_reads(self.model, self.loss_fn))
+        self.slots, self.dicts, self.cells = slots, dicts, cells
         self.sizes = [len(d) for d in dicts]
         self.values = [d.get(k, _MISSING) for d, k, _ in slots]
+        self.cell_values = [get() for get, _ in cells]
+
+    def _now(self):
+        """(path, recorded value, current value) of every watched place."""
+        for (d, k, path), v in zip(self.slots, self.values):
+            yield path, v, d.get(k, _MISSING)
+        for (get, path), v in zip(self.cells, self.cell_values):
+            yield path, v, get()
 
     def changed(self) -> List[str]:
         """Paths of the attributes changed since record (or one added or removed)."""
         if [len(d) for d in self.dicts] != self.sizes:
             return ["an attribute added or deleted"]
-        return [path for (d, k, path), v in zip(self.slots, self.values)
-                if (x := d.get(k, _MISSING)) is not v and x != v]
+        return [path for path, v, x in self._now() if not _same(x, v)]
 
     def counted(self) -> List[str]:
         """Integer attributes one more than at record: a counter the forward bumps
@@ -149,21 +177,115 @@ class Attributes:
 
     def note(self, paths: List[str]) -> None:
         """Count the values each changed attribute has taken; warn at ``WARN_AT``."""
-        for (d, k, path), old in zip(self.slots, self.values):
+        for path, old, now in self._now():
             if path not in paths:
                 continue
-            values = self.seen.setdefault(path, {repr(old)})
-            values.add(repr(d.get(k)))
+            values = self.seen.setdefault(path, {_shown(old)})
+            values.add(_shown(now))
             if len(values) >= self.WARN_AT and path not in self.warned:
                 self.warned.add(path)
+                name = path.rsplit(".", 1)[-1]
                 warnings.warn(
-                    f"pw.Trainer: model.{path} changed between steps ({len(values)} values "
-                    f"so far, now {d.get(k)!r}): a traced step keeps a module's Python "
-                    "attributes as constants, so each value traces and compiles the step "
-                    f"again. Keep a value that changes often in a buffer "
-                    f"(self.register_buffer({k!r}, torch.tensor(value)), updated in place "
-                    "with .fill_()): each step then takes it as an input, without a trace",
-                    RetraceWarning, stacklevel=4)
+                    f"pw.Trainer: {path} changed between steps ({len(values)} values "
+                    f"so far, now {_shown(now)}): a traced step keeps what the model and "
+                    "loss_fn read from Python as constants, so each value traces and "
+                    "compiles the step again. Keep a value that changes often in a "
+                    f"buffer of the model (model.register_buffer({name!r}, "
+                    "torch.tensor(value)), updated in place with .fill_() or .copy_() "
+                    "and read through the model): each step then takes it as an input, "
+                    "without a trace", RetraceWarning, stacklevel=4)
+
+
+def _same(now, before) -> bool:
+    if now is before:
+        return True
+    if isinstance(now, torch.Tensor) or isinstance(before, torch.Tensor):
+        return False                    # a tensor assigned anew
+    try:
+        return bool(now == before)
+    except Exception:
+        return False
+
+
+def _shown(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a tensor {tuple(v.shape)} at {id(v):#x}"
+    return repr(v)
+
+
+_GLOBALS: Dict[object, Tuple[str, ...]] = {}
+
+
+def _global_names(code) -> Tuple[str, ...]:
+    """The globals a function's code (and the functions and lambdas it defines) reads:
+    its LOAD_GLOBAL names, not attribute names (``co_names`` holds both)."""
+    names = _GLOBALS.get(code)
+    if names is None:
+        import dis
+        found = []
+        for ins in dis.get_instructions(code):
+            if ins.opname == "LOAD_GLOBAL":
+                found.append(ins.argval)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                found += _global_names(c)
+        names = _GLOBALS[code] = tuple(dict.fromkeys(found))
+    return names
+
+
+def _watched(v) -> bool:
+    return _plain(v) or isinstance(v, torch.Tensor)
+
+
+def _outside_reads(model: torch.nn.Module, loss_fn):
+    """(getter, path) for each value the ``loss_fn`` and the model's forwards read
+    from outside: closure cells, globals, a bound method's object's attributes."""
+    fns = []
+    if loss_fn is not None:
+        fns.append(("loss_fn", loss_fn))
+    kinds = {type(m) for m in model.modules()}
+    if isinstance(loss_fn, torch.nn.Module):
+        kinds |= {type(m) for m in loss_fn.modules()}
+    for cls in kinds:
+        fwd = getattr(cls, "forward", None)
+        if fwd is not None and getattr(fwd, "__module__", "").split(".")[0] != "torch":
+            fns.append((f"{cls.__name__}.forward", fwd))
+    for where, fn in fns:
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        if getattr(fn, "__module__", None) and fn.__module__.split(".")[0] == "torch":
+            continue                    # torch's own functions (F.cross_entropy)
+        if isinstance(fn, torch.nn.Module):
+            fn = type(fn).forward
+        owner = getattr(fn, "__self__", None)
+        if owner is not None and not isinstance(owner, torch.nn.Module) and \
+                hasattr(owner, "__dict__"):
+            d = vars(owner)
+            for k, v in list(d.items()):
+                if _watched(v):
+                    yield (lambda d=d, k=k: d.get(k, _MISSING)), f"{where}: self.{k}"
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            continue
+        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            try:
+                v = cell.cell_contents
+            except ValueError:
+                continue
+            if _watched(v):
+                yield (lambda c=cell: _cell(c)), f"{where}: {name}"
+        g = getattr(fn, "__globals__", {})
+        for name in _global_names(code):
+            if name in g and _watched(g[name]):
+                yield (lambda g=g, n=name: g.get(n, _MISSING)), f"{where}: global {name}"
+
+
+def _cell(c):
+    try:
+        return c.cell_contents
+    except ValueError:
+        return _MISSING
 
 
 def _traces(tr) -> int:
@@ -183,15 +305,48 @@ def after_call(tr) -> None:
                 warned.add(f"count:{path}")
                 attr = path.rsplit('.', 1)[-1]
                 warn_at_caller(
-                    f"pw.Trainer: model.{path} went up by one while the step was traced: "
+                    f"pw.Trainer: {path} went up by one while the step was traced: "
                     "the forward counts in a Python attribute, which runs only while "
                     "tracing, so later steps leave it as it is (in torch every forward "
                     f"counts). Keep the count in a buffer (self.register_buffer("
                     f"{attr!r}, torch.tensor(0)), then self.{attr} += 1 in the "
                     "forward): the step updates it every call", UserWarning)
+        leaks.check(tr)           # a traced tensor kept by the script's Python
         a.record()
         a.traces = n
-        leaks.check(tr)           # a traced tensor kept by the script's Python
+        tr._watch.foreign = _foreign_watches(tr)
+
+
+def _foreign_watches(tr) -> list:
+    """The watches of other Trainers whose module's tensors ``tr``'s traced programs
+    read as constants: a teacher that its own Trainer trains, called in this one's
+    ``loss_fn`` (knowledge distillation)."""
+    read = {id(t) for p in tr._programs.values() for traced in p._traces.values()
+            for t, _ in traced.sources}
+    if not read:
+        return []
+    return [weakref.ref(w) for w in list(_WATCHES)
+            if w is not tr._watch and not read.isdisjoint(w.ids)]
+
+
+def _refresh_foreign(tr) -> None:
+    """Before a step: bring the modules of ``_foreign_watches`` (and, before the first
+    trace tells which, of other Trainers' modules the ``loss_fn`` reaches) up to their
+    Trainers' latest steps. Their tensors change in place then, which makes the
+    programs that read them trace again with the new values, as torch's step reads
+    them."""
+    watches = [ref() for ref in getattr(tr._watch, "foreign", ())]
+    reached = getattr(tr._watch, "reached", None)
+    if reached is None:
+        reached = tr._watch.reached = frozenset(
+            id(v) for _, v in leaks._reach(tr.loss_fn) if isinstance(v, torch.nn.Module))
+    if reached:
+        watches += [w for w in list(_WATCHES)
+                    if w is not tr._watch and not reached.isdisjoint(w.module_ids)]
+    for w in watches:
+        other = w.owner() if w is not None else None
+        if other is not None and w.stale_names(other):
+            other._sync(None, optimizer=False)
 
 
 def _tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -209,16 +364,18 @@ class Watch:
     """The module's tensors and the optimizer's layout as of the last time the module
     and the workers agreed (``record``), and what changed since."""
 
-    def __init__(self, model: torch.nn.Module, optimizer, arrays: Dict[str, int]) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer, arrays: Dict[str, int],
+                 loss_fn=None) -> None:
         self.model, self.optimizer = model, optimizer
         self.reshaped = False            # something was assigned into the module
         self.loaded: Set[str] = set()    # written by model.load_state_dict since record
         self.buffers_touched = False     # a forward in train mode on the client
         self.owner = lambda: None        # the Trainer, weakly (set by it)
-        self.attributes = Attributes(model)
+        self.attributes = Attributes(model, loss_fn)
         # the torch optimizer's state tensors as of its last sync (record_state)
         self.opt_record: Dict[str, Dict[str, tuple]] = {}
         self.warned: Set[str] = set()    # what the Trainer warned about, once each
+        self.foreign: list = []          # other Trainers' watches its programs read
         _hook_registrations()
         _WATCHES.add(self)
         self.record(arrays)
@@ -395,6 +552,7 @@ def follow(tr, *, discard_stale: bool = False) -> None:
     instead of raising."""
     w = tr._watch
     _sync_sharers(tr)
+    _refresh_foreign(tr)
     push_state(tr, *state_changes(tr))      # the optimizer's state, reset or changed
     attrs = w.attributes.changed()
     if attrs:                      # a traced step holds them as constants: trace again

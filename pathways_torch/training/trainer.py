@@ -36,11 +36,12 @@ import torch
 
 from .._trees import plain_batch
 from ..client.array import Array, put
+from ..client.capture import tracing_now
 from ..client.checkpoint import entries as checkpoint_entries, load_arrays, save_arrays
 from ..client import runtime, torch_paths
 from ..client.program import Program
 from ..client.rng import SeedStream
-from ..errors import PathwaysError, warn_at_caller
+from ..errors import PathwaysError, TraceError, warn_at_caller
 from ..parallel.strategies import (DataParallel, MultiIsland, Pipeline, TensorParallel,
                                    mesh_sizes)
 from ..sharding import P, validate_spec
@@ -184,6 +185,7 @@ class Trainer:
             raise PathwaysError(
                 "the optimizer holds none of the model's parameters: build it from "
                 "model.parameters() of the same model you pass to pw.Trainer")
+        _refuse_outside_parameters(optimizer, named, loss_fn)
         self._groups = [[n for n in self._group_of if self._group_of[n] == gi]
                         for gi in range(len(optimizer.param_groups))]
         fixed = {n: p for n, p in named.items() if n not in self._group_of}
@@ -245,13 +247,19 @@ class Trainer:
         self._modules = list(self.model.modules())
         self._modes = _modes(self._modules)
         self.restarts: List[Restart] = []         # fit's elastic restarts
+        # A step's gradients stay on the workers: gradients a CPU backward left on the
+        # module (a sanity check before the Trainer) would read as every step's, so
+        # they go, as torch's next zero_grad() would take them
+        for p in self._held.values():
+            p.grad = None
         # the module and optimizer hold what the workers hold as of this update count
         self._version = self._synced = self._opt_synced = 0
         self._closed = False            # the cluster shut down: nothing left to read
         # reads of the module and optimizer see the trained values (reads.py), and
         # what the script does to them is followed from now on (follow.py)
         reads.install(self)
-        self._watch = follow.Watch(self.model, self.optimizer, follow.array_ids(self))
+        self._watch = follow.Watch(self.model, self.optimizer, follow.array_ids(self),
+                                   self.loss_fn)
         self._watch.owner = weakref.ref(self)
         # an AveragedModel of the model, updated on the workers after every update
         self._ema = ema_mod.Averaged(self, ema) if ema is not None else None
@@ -428,6 +436,7 @@ class Trainer:
         With ``accumulate=k``, each call is a micro-step whose loss it returns; the
         optimizer update (and the scheduler's step) happens on every k-th call.
         """
+        _outside_trace("step")
         # a step computes its own gradients: traced with them on even when called
         # inside an evaluation loop's torch.no_grad() or inference_mode()
         with torch.inference_mode(False), torch.enable_grad():
@@ -493,6 +502,7 @@ class Trainer:
         """The loss on a batch in eval mode (no dropout, BatchNorm's running
         statistics, no gradients, no update), as a ``pw.Array`` at once (or loss_fn's
         whole result, as ``step`` returns it)."""
+        _outside_trace("evaluate")
         inputs, targets = plain_batch(inputs), plain_batch(targets)
         follow.follow(self)
         buffers = self._buffer_ids()
@@ -512,6 +522,7 @@ class Trainer:
     def predict(self, inputs: Any) -> Any:
         """The model's outputs on a batch in eval mode, as ``pw.Array``s in the
         model's output structure (a tensor, a tuple, a dict, a ModelOutput)."""
+        _outside_trace("predict")
         inputs = plain_batch(inputs)
         follow.follow(self)
         buffers = self._buffer_ids()
@@ -1011,6 +1022,45 @@ class _Schedulers:
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         for sch, one in zip(self.schedulers, sd["schedulers"]):
             sch.load_state_dict(one)
+
+
+def _outside_trace(what: str) -> None:
+    """A Trainer call made while another program is traced (a ``loss_fn`` calling a
+    teacher's ``trainer.predict``) cannot run inside that program: refused, saying
+    where to call it instead (it failed on a tensor subclass's ``.numpy()``)."""
+    if tracing_now():
+        raise TraceError(
+            f"trainer.{what} was called while a step was being traced (from a loss_fn, a "
+            "forward or a hook): a step is one program, and another Trainer's work cannot "
+            "run inside it. Call it before the step (teacher_out = "
+            "teacher_trainer.predict(x)) and pass its result in, as targets or beside "
+            "the inputs")
+
+
+def _refuse_outside_parameters(optimizer, named: Dict[str, Any], loss_fn) -> None:
+    """The optimizer holds parameters the model does not (a loss module's learnable
+    temperature, uncertainty weights in a param group of their own): a step computes
+    the gradients of the model's parameters only, so these would stay as they are
+    while torch trains them. Refused, saying how to make them the model's."""
+    mine = {id(p) for p in named.values()}
+    outside = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+    if not outside:
+        return
+    by_loss = {}
+    if isinstance(loss_fn, torch.nn.Module):
+        by_loss = {id(p): n for n, p in loss_fn.named_parameters()}
+    said = [f"loss_fn's {by_loss[id(p)]!r}" if id(p) in by_loss
+            else f"a {str(p.dtype).replace('torch.', '')}{list(p.shape)} parameter"
+            for p in outside[:3]]
+    raise PathwaysError(
+        f"the optimizer holds {len(outside)} parameter(s) that are not the model's "
+        f"({', '.join(said)}{', ...' if len(outside) > 3 else ''}): pw.Trainer trains "
+        "the parameters of the model it is given, so these would never change. Make "
+        "them the model's: a loss module with parameters as a submodule of the model "
+        "(model.criterion = criterion, and pass model.criterion as loss_fn; not on an "
+        "nn.Sequential, which would run it as a layer), a free "
+        "nn.Parameter registered on it (model.register_parameter('log_vars', p)) and "
+        "read through it in loss_fn (model.log_vars)")
 
 
 # The keys of ``Trainer._side``: client-side state that ``state_dict`` holds beside the
