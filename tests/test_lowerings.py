@@ -345,6 +345,21 @@ def test_float64_ops_are_torch_in_double(s1, case):
 
 INTS = torch.tensor([[3, 1, 3, 2, 5, 5, 0, -7], [4, 4, -2, 9, 9, -9, 1, 0]])
 NAN = torch.tensor([1.0, 3.0, float("nan"), 2.0, float("nan"), 5.0])
+def _setitem(t, mask, value):
+    t = t.clone()
+    t[mask] = value
+    return t
+
+
+def _grad_through_setitem(n):
+    """The gradient of a loss whose masked entries are set to zero (``loss[m] = 0``)."""
+    x = n.nan_to_num().detach().requires_grad_()
+    with torch.enable_grad():
+        loss = x * x
+        loss[x > 2] = 0.0
+        return torch.autograd.grad(loss.sum(), x)[0]
+
+
 EXACT = {
     # (stop 34, from torch's int64 OpInfo samples) torch_xla's cummax index is the first
     # position of a tie, torch's the last; int64 average pooling came back as floats
@@ -436,6 +451,12 @@ EXACT = {
         torch.tensor([[1.0, math.inf], [-math.inf, -math.inf], [1.0, 2.0]],
                      device=n.device).logsumexp(1),
         n[:0].reshape(0, 3).logsumexp(0), n.reshape(2, 3).logsumexp((0, 1), True)],
+    # (stop 41) t[mask] = value went through nonzero: refused, as "no XLA lowering"
+    "assignment through a boolean mask": lambda i, n: [
+        _setitem(i, i > 2, 0), _setitem(n, n > 2, -1.5),
+        _setitem(i, i[:, 0] > 3, torch.arange(8)),
+        i.clone().index_put_((i > 0,), torch.tensor(7), accumulate=True),
+        _grad_through_setitem(n)],
     "mean of complex numbers": lambda i, n: [
         torch.complex(i.float(), i.flip(1).float()).mean(),
         torch.complex(i.float(), -i.float()).mean(0)],

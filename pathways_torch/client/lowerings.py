@@ -433,6 +433,34 @@ def _complex_mean(op, other):
     return run
 
 
+def _masked_put(inplace: bool):
+    """``t[mask] = v`` (and ``+=``) with a boolean mask over t's leading dimensions and
+    a value of one element or of the remaining dimensions' shape: the result's shape
+    does not depend on the mask, so it is ``torch.where(mask, v, t)``. torch's
+    ``index_put`` goes through ``nonzero``, which a trace cannot run (a refusal blaming
+    a missing lowering, where ``masked_fill`` of the same worked). Values given per
+    selected element (``t[mask] = a[mask]``) do depend on it and stay refused."""
+    def run(t, indices, values, accumulate=False):
+        if len(indices) != 1 or not isinstance(indices[0], torch.Tensor) or \
+                indices[0].dtype not in (torch.bool, torch.uint8) or \
+                not isinstance(values, torch.Tensor):
+            return NotImplemented
+        m = indices[0].bool()
+        rest = tuple(t.shape[m.dim():])
+        if tuple(m.shape) != tuple(t.shape[:m.dim()]):
+            return NotImplemented
+        try:
+            if torch.broadcast_shapes(values.shape, rest) != rest:
+                return NotImplemented
+        except RuntimeError:
+            return NotImplemented
+        m = m.reshape(tuple(m.shape) + (1,) * len(rest))
+        v = values.to(t.dtype)
+        out = torch.where(m, t + v if accumulate else v, t)
+        return t.copy_(out) if inplace else out
+    return run
+
+
 def heaviside(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """torch's kernel, ``values`` where ``x == 0``, else ``x > 0``: torch's
     decomposition failed to lower for integers and bools (an untyped error about a
@@ -1009,6 +1037,8 @@ def table() -> Dict[object, Callable]:
         aten.__rshift__.Scalar: right_shift,
         aten.__rshift__.Tensor: right_shift,
         aten.clamp.default: clamp_promoted,
+        aten.index_put.default: _masked_put(False),
+        aten.index_put_.default: _masked_put(True),
         aten.arange.default: arange_end,
         aten.arange.start: arange_start,
         aten.arange.start_step: arange_step,
