@@ -217,6 +217,7 @@ class Program:
         self._fast: dict = {}       # (slice uid, (shape, dtype, spec) per arg) -> _Fast
         self._fast_tree: dict = {}  # (slice uid, _tree_key of (args, kwargs)) -> _Fast
         self._lock = threading.Lock()
+        self._stale_traces = 0          # traces a changed outside tensor caused
         self._bound: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._bound_by_id: dict = {}            # (object, program) of unhashable ones
 
@@ -395,7 +396,7 @@ class Program:
         """Count the traces a changed outside tensor caused; warn once at
         ``RETRACE_WARN_AT`` (a class-weight tensor a ``loss_fn`` closes over, updated
         in place every step, traced and compiled the step every step, silently)."""
-        self._stale_traces = getattr(self, "_stale_traces", 0) + 1
+        self._stale_traces += 1
         if self._stale_traces == self.RETRACE_WARN_AT:
             warnings.warn(
                 f"program '{self.name}' is traced and compiled again each time a CPU "
@@ -712,14 +713,9 @@ def _mark_donated(a: Array, program: str, g) -> None:
         g.on_abort(lambda: setattr(a, "_donated", before))
 
 
-_copy_program: list = []
-
-
 def copy_of(a: Array) -> Array:
     """A copy of ``a`` in a new buffer on its slice, with its sharding (``copy.deepcopy``)."""
-    if not _copy_program:
-        _copy_program.append(Program(lambda x: x.clone(), name="copy"))
-    return _copy_program[0](a)
+    return _copy(a)
 
 
 def reshard(a: Array, spec: P) -> Array:
@@ -729,3 +725,6 @@ def reshard(a: Array, spec: P) -> Array:
         prog = _reshards[spec] = Program(lambda x: x.clone(), out_specs=spec,
                                          name="reshard")
     return prog(a)
+
+
+_copy = Program(lambda x: x.clone(), name="copy")

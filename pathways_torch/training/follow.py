@@ -335,8 +335,8 @@ def _refresh_foreign(tr) -> None:
     Trainers' latest steps. Their tensors change in place then, which makes the
     programs that read them trace again with the new values, as torch's step reads
     them."""
-    watches = [ref() for ref in getattr(tr._watch, "foreign", ())]
-    reached = getattr(tr._watch, "reached", None)
+    watches = [ref() for ref in tr._watch.foreign]
+    reached = tr._watch.reached
     if reached is None:
         reached = tr._watch.reached = frozenset(
             id(v) for _, v in leaks._reach(tr.loss_fn) if isinstance(v, torch.nn.Module))
@@ -376,6 +376,7 @@ class Watch:
         self.opt_record: Dict[str, Dict[str, tuple]] = {}
         self.warned: Set[str] = set()    # what the Trainer warned about, once each
         self.foreign: list = []          # other Trainers' watches its programs read
+        self.reached = None              # ids of the modules its loss_fn reaches
         _hook_registrations()
         _WATCHES.add(self)
         self.record(arrays)
