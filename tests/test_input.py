@@ -338,6 +338,51 @@ def test_a_step_on_a_batch_that_failed_to_load_leaves_the_trainer_as_it_was(isla
         del tr
 
 
+def test_a_failed_batch_is_said_by_a_later_step_when_its_loss_is_never_read(islands):
+    """A loop that never reads its losses (it logs every hundred steps) skipped a batch
+    whose sample raised without a word; torch's loop would have stopped there. A later
+    ``trainer.step`` raises the loader's error once (after dispatching its own step, so
+    a loop that catches it loses no other batch), and the training equals torch's
+    skipping that batch."""
+    import copy
+    s = islands[0]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                    torch.nn.functional.mse_loss, slice=s,
+                    parallelism=pw.DataParallel("data"))
+    try:
+        loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 32, "bad": 13},
+                               batch_size=4, slice=tr)
+        raised = []
+        for i, (x, y) in enumerate(loader):
+            try:
+                tr.step(x, y)
+            except pw.DataLoaderError as e:
+                raised.append((i, str(e)))
+            time.sleep(0.05)               # (the failure is known a moment later)
+        try:
+            tr.step(*next(iter(loader)))   # one more: the last batches are known now
+        except pw.DataLoaderError as e:
+            raised.append((8, str(e)))
+        assert len(raised) == 1 and raised[0][0] > 3, raised
+        assert "index 13" in raised[0][1] and "call 4, skipped" in raised[0][1]
+        data, ref_opt = loader_data.Rows(n=32), torch.optim.SGD(ref.parameters(), lr=0.05)
+        for i in [0, 1, 2, 4, 5, 6, 7, 0]:
+            ref_opt.zero_grad()
+            torch.nn.functional.mse_loss(ref(data.x[4 * i:4 * i + 4]),
+                                         data.y[4 * i:4 * i + 4]).backward()
+            ref_opt.step()
+        tr.sync_to()
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+    finally:
+        del tr
+
+
 def test_a_program_that_cannot_run_leaves_the_inputs_it_updates_in_place(islands):
     """An in-place update whose program did not run (an input failed) leaves its
     tensor as it was, as in torch, where the exception comes before the update; the

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .. import tracing
 from .._trees import plain_batch
-from ..errors import OutOfMemoryError, PlacementError
+from ..errors import OutOfMemoryError, PathwaysError, PlacementError
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import (P, as_spec, member_blocks, move_plan, spec_to_proto, validate_spec,
@@ -36,7 +36,7 @@ class Array:
     """A (possibly not yet computed) sharded tensor on a slice. Create with ``pw.put``."""
 
     __slots__ = ("shape", "dtype", "sharding", "slice", "_id", "_seq", "_conn", "_origin",
-                 "hlo_sharding", "_donated", "__weakref__")
+                 "hlo_sharding", "_donated", "_read_failed", "__weakref__")
 
     def __init__(self, slice_: "runtime.Slice", buffer_id: int, seq: int,
                  shape: Sequence[int], dtype: torch.dtype, sharding: Optional[P],
@@ -53,6 +53,7 @@ class Array:
         self._conn = slice_._conn
         self._origin = origin
         self._donated = ""          # the program this Array was donated to, if any
+        self._read_failed = False   # a read raised its error in the script
         if isinstance(seq, SeqCell):
             graph_mod.current().keep(self)
 
@@ -83,8 +84,12 @@ class Array:
         ``pw.WorkerLostError`` if the worker that holds it (or one it waits on) died.
         """
         self._check_usable()
-        return self._conn.fetch(self._id, seq_of(self._seq), self._what(), timeout,
-                                codec.nbytes(self.dtype, tuple(self.shape)))
+        try:
+            return self._conn.fetch(self._id, seq_of(self._seq), self._what(), timeout,
+                                    codec.nbytes(self.dtype, tuple(self.shape)))
+        except PathwaysError:
+            self._read_failed = True        # its error reached the script (Trainer)
+            raise
 
     def numpy(self, timeout: Optional[float] = None) -> np.ndarray:
         """Block until the value exists and return it as a numpy array."""
@@ -118,7 +123,11 @@ class Array:
 
     def wait(self, timeout: Optional[float] = None) -> "Array":
         """Block until the value exists (raises the program's error if it failed)."""
-        wait([self], timeout)
+        try:
+            wait([self], timeout)
+        except PathwaysError:
+            self._read_failed = True
+            raise
         return self
 
     def to(self, slice_: "runtime.Slice", spec=None) -> "Array":

@@ -33,10 +33,14 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .._trees import plain_batch
 from ..client.array import Array, put
 from ..client.capture import tracing_now
+from ..client.connection import raise_buffer_error
+from ..client.graph import seq_of
+from ..client.loader import Parts
 from ..client.checkpoint import entries as checkpoint_entries, load_arrays, save_arrays
 from ..client import runtime, torch_paths
 from ..client.program import Program
@@ -53,7 +57,7 @@ from .follow import _flags, modes as _modes
 from .islands import multi_island_step
 from .pipeline import _split_stages, pipeline_eval, pipeline_step, stage_ties
 from .programs import (FOUND_INF, GRAD_NORM, GROUP_TENSORS, Options, make_eval_fn,
-                       make_predict_fn, make_step_fn, precision_mode)
+                       make_predict_fn, make_step_fn, precision_mode, split_loss)
 
 
 class Trainer:
@@ -240,6 +244,9 @@ class Trainer:
         if scales:
             self._put_scalers(scaling.initial(scaler))
         self.micro = 0                                # micro-steps since the last update
+        self._calls = 0                                # step() calls made
+        # (loss, its stream position, call) of recent steps on pw.DataLoader batches
+        self._loader_losses: List[tuple] = []
         self._warned_fp16 = False       # a step under float16 autocast without scaling
         self._grad_norm: Optional[Array] = None     # of the last update (max_grad_norm)
         self.seeds = SeedStream.of_torch() if seed is None else SeedStream(seed)
@@ -441,9 +448,42 @@ class Trainer:
         # inside an evaluation loop's torch.no_grad() or inference_mode()
         with torch.inference_mode(False), torch.enable_grad():
             try:
-                return self._step(inputs, targets)
+                out = self._step(inputs, targets)
             finally:
                 follow.after_call(self)
+        self._calls += 1
+        # (after this step is on its way: a loop that catches the error loses no batch)
+        self._surface_failed_batches()
+        self._watch_batch(inputs, targets, out)
+        return out
+
+    def _watch_batch(self, inputs: Any, targets: Any, out: Any) -> None:
+        """A step on a ``pw.DataLoader`` batch: its loss is watched (the executor pushes
+        a completion watermark), so that if the batch failed to load, which skips the
+        step, the next step raises the loader's error even when the script never reads
+        that loss, as torch's loop would have stopped at the batch."""
+        if not any(_from_loader(leaf) for leaf in pytree.tree_leaves((inputs, targets))):
+            return
+        loss = split_loss(out, Array)[0] if not isinstance(out, Array) else out
+        seq = seq_of(loss._seq)
+        if loss._conn.ask(seq):
+            self._loader_losses = (self._loader_losses + [(loss, seq, self._calls)])[-16:]
+
+    def _surface_failed_batches(self) -> None:
+        """Raise the error of an earlier step's batch that failed to load, unless the
+        script read that step's loss (which raised it already)."""
+        pending, self._loader_losses = self._loader_losses, []
+        for k, (loss, seq, call) in enumerate(pending):
+            if loss._id is None or getattr(loss, "_read_failed", False):
+                continue
+            rep = loss._conn.known([loss._id], seq)
+            if rep is None:
+                self._loader_losses.append((loss, seq, call))
+            elif rep.failed[0]:
+                self._loader_losses += pending[k + 1:]
+                loss._read_failed = True
+                raise_buffer_error(rep.errors[0], f"trainer.step call {call}, skipped (the "
+                                   "weights and optimizer state stay as they were)")
 
     def _step(self, inputs: Any, targets: Any) -> Any:
         inputs, targets = plain_batch(inputs), plain_batch(targets)
@@ -1022,6 +1062,12 @@ class _Schedulers:
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         for sch, one in zip(self.schedulers, sd["schedulers"]):
             sch.load_state_dict(one)
+
+
+def _from_loader(leaf: Any) -> bool:
+    """A batch leaf a ``pw.DataLoader`` made (an Array, or Parts of them)."""
+    arrays = leaf.parts if isinstance(leaf, Parts) else [leaf]
+    return any(isinstance(a, Array) and "of pw.DataLoader(" in a._origin for a in arrays)
 
 
 def _outside_trace(what: str) -> None:
