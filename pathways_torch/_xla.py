@@ -36,13 +36,21 @@ def import_torch_xla() -> ModuleType:
         return _IMPORTED[0]
     with _IMPORT_LOCK:
         if not _IMPORTED:
-            import torch.nn as nn
-            gru, clip = nn.GRU, nn.utils.clip_grad_norm_
             import torch_xla
-            nn.GRU = gru
-            nn.utils.clip_grad_norm_ = clip
+            _restore_torch_nn()
             _IMPORTED.append(torch_xla)
     return _IMPORTED[0]
+
+
+def _restore_torch_nn() -> None:
+    """torch.nn.GRU and clip_grad_norm_ as torch defines them. Restored from their
+    modules, not from what torch.nn held before: a library imported earlier (peft,
+    transformers) may have imported torch_xla already, which swapped them then."""
+    import torch.nn as nn
+    import torch.nn.modules.rnn as rnn
+    import torch.nn.utils.clip_grad as clip
+    nn.GRU = rnn.GRU
+    nn.utils.clip_grad_norm_ = clip.clip_grad_norm_
 
 
 def cpu_fallbacks(run: Callable[[], object]) -> List[str]:

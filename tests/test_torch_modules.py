@@ -312,3 +312,28 @@ def test_a_causal_mask_without_the_is_causal_hint_trains_like_torch(s2):
     (``bool((mask == causal).all())``), a value read that failed the trace with a
     DataDependentError pointing at the model's call. The mask is applied either way."""
     _train_both(CausalLM, s2, data=_batches(seq=6))
+
+
+def test_torch_nn_is_put_back_when_a_library_imported_torch_xla_first(tmp_path):
+    """peft and transformers import torch_xla when it is installed, before any trace:
+    torch_xla then swapped nn.GRU and clip_grad_norm_ for its own, and pathways_torch
+    put back what it found (torch_xla's). Run as a fresh process, as a script would."""
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.nn as nn
+        import torch_xla                      # what such a library does on import
+        import torch.nn.modules.rnn as rnn, torch.nn.utils.clip_grad as clip
+        assert nn.GRU is not rnn.GRU          # torch_xla's, as the library left it
+        import pathways_torch as pw
+        pw.init(devices_per_host=1)
+        pw.program(lambda t: t + 1)(pw.put(torch.zeros(2), pw.slice((1,)))).torch()
+        assert nn.GRU is rnn.GRU and nn.utils.clip_grad_norm_ is clip.clip_grad_norm_
+        pw.shutdown()
+        print("OK")
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
