@@ -457,6 +457,9 @@ EXACT = {
         _setitem(i, i[:, 0] > 3, torch.arange(8)),
         i.clone().index_put_((i > 0,), torch.tensor(7), accumulate=True),
         _grad_through_setitem(n)],
+    "cumprod of integers and bools (no XLA lowering)": lambda i, n: [
+        i.cumprod(1), i.int().cumprod(0), (i > 0).cumprod(1), i.cumprod(1, dtype=torch.int32),
+        i[0, 0].cumprod(0)],
     "mean of complex numbers": lambda i, n: [
         torch.complex(i.float(), i.flip(1).float()).mean(),
         torch.complex(i.float(), -i.float()).mean(0)],

@@ -181,6 +181,29 @@ def _running_max(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x
 
 
+def cumprod_integers(x: torch.Tensor, dim: int, *, dtype=None) -> torch.Tensor:
+    """torch.cumprod of an integer or bool tensor (int64, as torch promotes it, unless
+    ``dtype``) as a doubling scan of products of shifted copies: exact, since integer
+    products do not depend on their order. torch_xla has no integer cumprod (it would
+    run on the CPU: refused)."""
+    if x.is_floating_point() or x.is_complex() or (dtype is not None and (
+            dtype.is_floating_point or dtype.is_complex)):
+        return NotImplemented
+    y = x.to(dtype or torch.int64)
+    if y.dim() == 0:
+        return y.clone()
+    dim = dim % y.dim()
+    n, k = y.shape[dim], 1
+    while k < n:
+        pad_shape = list(y.shape)
+        pad_shape[dim] = k
+        shifted = torch.cat([torch.ones(pad_shape, dtype=y.dtype, device=y.device),
+                             y.narrow(dim, 0, n - k)], dim)
+        y = y * shifted
+        k *= 2
+    return y
+
+
 def cummax(x: torch.Tensor, dim: int):
     """The running maximum with torch's index: the last position where it was reached
     (torch's CPU kernel takes ``x >= max``); from the first NaN on the maximum is NaN
@@ -997,6 +1020,7 @@ def table() -> Dict[object, Callable]:
         aten.copysign.Scalar: copysign,
         aten.round.decimals: round_decimals,
         aten.cummin.default: cummin,
+        aten.cumprod.default: cumprod_integers,
         aten.remainder.Tensor: remainder,
         aten.remainder.Scalar: remainder,
         aten.heaviside.default: heaviside,
