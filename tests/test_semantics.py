@@ -572,6 +572,11 @@ def test_a_zero_dim_array_formats_and_has_no_len(s4):
     assert f"loss {z:.2f}" == "loss 3.14"            # as f"{tensor:.2f}"
     with pytest.raises(TypeError, match="len\\(\\) of a 0-d"):
         len(z)
+    # Arrays compare by identity; `loss == 0` was False whatever the loss
+    other = pw.put(torch.tensor(3.14159), s4)
+    assert z == z and z != other and z in [other, z] and {z: 1}[z] == 1
+    with pytest.raises(TypeError, match="compare a.item\\(\\)"):
+        z == 3.14159
 
 
 def test_static_floats_are_keyed_by_their_bits(s4):

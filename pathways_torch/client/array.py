@@ -160,6 +160,22 @@ class Array:
     def __bool__(self):
         raise TypeError("the truth value of a pw.Array would block; use bool(a.item())")
 
+    def __eq__(self, other):
+        """Arrays compare by identity (as futures do: ``a in arrays``); against a number
+        or a tensor, ``loss == 0`` would say False whatever the value, so it is refused."""
+        if isinstance(other, (int, float, complex, torch.Tensor, np.ndarray, np.generic)):
+            raise TypeError(
+                "comparing a pw.Array with a value would block for its own: compare "
+                "a.item() (a number) or a.torch() (a tensor), or compare inside a "
+                "@pw.program")
+        return NotImplemented
+
+    def __ne__(self, other):
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = object.__hash__
+
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d pw.Array")     # as torch says for a tensor
