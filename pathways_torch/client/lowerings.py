@@ -181,6 +181,18 @@ def _running_max(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x
 
 
+def cumsum_integers(x: torch.Tensor, dim: int, *, dtype=None) -> torch.Tensor:
+    """torch.cumsum of a bool or narrow integer tensor adds in int64 (its result type,
+    unless ``dtype``); torch_xla added in the input's type and widened the sums after,
+    so they wrapped: a bool mask of 300 Trues counted 44, uint8 [200, 100] gave 44."""
+    if x.is_floating_point() or x.is_complex():
+        return NotImplemented
+    out = dtype or torch.int64
+    if x.dtype == out or (dtype is not None and (out.is_floating_point or out.is_complex)):
+        return NotImplemented
+    return torch.ops.aten.cumsum.default(x.to(out), dim, dtype=out)
+
+
 def cumprod_integers(x: torch.Tensor, dim: int, *, dtype=None) -> torch.Tensor:
     """torch.cumprod of an integer or bool tensor (int64, as torch promotes it, unless
     ``dtype``) as a doubling scan of products of shifted copies: exact, since integer
@@ -286,18 +298,56 @@ def _exact_quotient(a: torch.Tensor, b, floor: bool) -> torch.Tensor:
     return q
 
 
+def _float_floor_quotient(a: torch.Tensor, b) -> torch.Tensor:
+    """Floor division of floating values as torch's kernel computes it (c10's
+    ``div_floor_floating``): the quotient of ``a - fmod(a, b)``, adjusted to the
+    divisor's sign, floored and rounded up past .5, with IEEE's result for b = 0 and a
+    signed zero, each operation in the values' own type as torch's half-precision
+    kernels round them. torch_xla floors ``a / b``, which differs where that quotient
+    rounds across an integer (bfloat16 -5.28125 // 1.0546875 came out -5 for torch's
+    -6; by whole units at larger quotients)."""
+    if not isinstance(b, torch.Tensor):
+        if a.dtype in _HALF:        # a Python number: torch's kernel takes float32 then
+            return _float_floor_quotient(a.float(), b).to(a.dtype)
+        b = torch.tensor(b, dtype=a.dtype, device=a.device)
+    rt = torch.result_type(a, b)
+    a, b = a.to(rt), b.to(rt)
+    mod = torch.fmod(a, b)
+    div = (a - mod) / b
+    div = torch.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    floor = torch.floor(div)
+    floor = torch.where(div - floor > 0.5, floor + 1, floor)
+    floor = torch.where(div == 0, torch.copysign(torch.zeros_like(div), a / b), floor)
+    return torch.where(b == 0, a / b, floor)
+
+
+def _floating(a, b) -> bool:
+    return any(isinstance(v, float) or isinstance(v, torch.Tensor) and
+               v.is_floating_point() for v in (a, b)) and not any(
+        isinstance(v, torch.Tensor) and v.is_complex() for v in (a, b))
+
+
 def div_rounding(a, b, *, rounding_mode=None):
-    """``torch.div(a, b, rounding_mode="trunc" | "floor")`` of integers (and ``//``):
-    exact (``_exact_quotient``)."""
-    if rounding_mode is None or not _integers(a, b) or not isinstance(a, torch.Tensor):
+    """``torch.div(a, b, rounding_mode="trunc" | "floor")`` (and ``//``): integers
+    exact (``_exact_quotient``), floor of floats as torch's kernel
+    (``_float_floor_quotient``)."""
+    if rounding_mode is None or not isinstance(a, torch.Tensor):
         return NotImplemented
-    return _exact_quotient(a, b, rounding_mode == "floor")
+    if _integers(a, b):
+        return _exact_quotient(a, b, rounding_mode == "floor")
+    if rounding_mode == "floor" and _floating(a, b):
+        return _float_floor_quotient(a, b)
+    return NotImplemented
 
 
 def floor_divide(a, b):
-    if not _integers(a, b) or not isinstance(a, torch.Tensor):
+    if not isinstance(a, torch.Tensor):
         return NotImplemented
-    return _exact_quotient(a, b, True)
+    if _integers(a, b):
+        return _exact_quotient(a, b, True)
+    if _floating(a, b):
+        return _float_floor_quotient(a, b)
+    return NotImplemented
 
 
 def right_shift(a, b):
@@ -1053,7 +1103,8 @@ def table() -> Dict[object, Callable]:
         aten.mean.dim: _complex_mean(aten.mean.dim, _wide(aten.mean.dim,
                                                           _whole(aten.mean.dim))),
         aten.mean.default: _complex_mean(aten.mean.default, _wide(aten.mean.default)),
-        **{op: _wide(op) for op in (aten.sum.default, aten.cumsum.default)},
+        aten.sum.default: _wide(aten.sum.default),
+        aten.cumsum.default: _wide(aten.cumsum.default, cumsum_integers),
         aten.div.Tensor_mode: div_rounding,
         aten.div.Scalar_mode: div_rounding,
         aten.floor_divide.default: floor_divide,
