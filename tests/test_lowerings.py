@@ -438,6 +438,11 @@ EXACT = {
                                                 dtype=torch.int8)],
     "arithmetic right shifts": lambda i, n: [i >> 1, i.int() >> 2,
                                              i >> torch.tensor(1)],
+    "shifts by the width or more": lambda i, n: [
+        i << 64, i.int() << 33, (i.abs() * 30).to(torch.uint8) << 8, i >> 70,
+        (i.abs() * 30).to(torch.uint8) >> 9, i << (i.abs() + 60), i >> (i.abs() + 60)],
+    "isposinf": lambda i, n: [torch.isposinf(torch.cat([n, 1 / (n * 0)])),
+                              torch.isposinf(i)],
     "max, min and their indices propagate NaN": lambda i, n: [
         n.max(), n.min(), n.reshape(2, 3).amax(1), n.reshape(2, 3).max(1),
         n.reshape(3, 2).min(0, keepdim=True), n.argmax(), n.reshape(2, 3).argmin(1),

@@ -350,12 +350,50 @@ def floor_divide(a, b):
     return NotImplemented
 
 
+def _bits(a: torch.Tensor) -> int:
+    return torch.iinfo(a.dtype).bits
+
+
+@outermost
 def right_shift(a, b):
     """``a >> b`` of integers, an arithmetic shift as torch's (torch_xla divided by
-    2**b, rounding toward zero: -1 >> 1 came out 0, not -1)."""
-    if not _integers(a, b) or not isinstance(a, torch.Tensor):
+    2**b, rounding toward zero: -1 >> 1 came out 0, not -1); by the width or more, the
+    sign (torch's 0 or -1; a Python amount failed to lower)."""
+    if not _integers(a, b) or not isinstance(a, torch.Tensor) or a.dtype == torch.bool:
         return NotImplemented
-    return torch.bitwise_right_shift(a, b)
+    top = _bits(a) - 1
+    if isinstance(b, int):
+        b = min(b, top) if a.is_signed() else b
+        if b > top:
+            return torch.zeros_like(a)
+        return torch.bitwise_right_shift(a, b)
+    if a.is_signed():
+        return torch.bitwise_right_shift(a, b.clamp(max=top))
+    return torch.where(b > top, torch.zeros_like(a),
+                       torch.bitwise_right_shift(a, b.clamp(max=top)))
+
+
+@outermost
+def left_shift(a, b):
+    """``a << b`` of integers by the width or more: 0, as torch's (an int64 shifted by
+    a tensor's 64 wrapped round to the value; a Python amount failed to lower)."""
+    if not _integers(a, b) or not isinstance(a, torch.Tensor) or a.dtype == torch.bool:
+        return NotImplemented
+    top = _bits(a) - 1
+    if isinstance(b, int):
+        return torch.zeros_like(a) if b > top else NotImplemented
+    return torch.where(b > top, torch.zeros_like(a),
+                       torch.bitwise_left_shift(a, b.clamp(max=top)))
+
+
+def isposinf(x: torch.Tensor) -> torch.Tensor:
+    """``x == +inf`` for floating tensors (torch_xla had no lowering: refused, where
+    isneginf ran); integers and bools are never infinite."""
+    if x.is_complex():
+        return NotImplemented
+    if not x.is_floating_point():
+        return torch.zeros_like(x, dtype=torch.bool)
+    return x == math.inf
 
 
 def clamp_promoted(x, min=None, max=None):
@@ -1123,7 +1161,10 @@ def table() -> Dict[object, Callable]:
         aten.angle.default: angle,
         aten.roll.default: roll,
         **{op: _never for op in (aten.isnan.default, aten.isinf.default,
-                                 aten.isposinf.default, aten.isneginf.default)},
+                                 aten.isneginf.default)},
+        aten.isposinf.default: isposinf,
+        aten.__lshift__.Scalar: left_shift,
+        aten.__lshift__.Tensor: left_shift,
         aten.erfc.default: _of_floats(aten.erfc.default),
         aten.erfinv.default: _of_floats(aten.erfinv.default),
         aten.logsumexp.default: logsumexp,
