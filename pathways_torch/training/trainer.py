@@ -466,7 +466,8 @@ class Trainer:
             return
         loss = split_loss(out, Array)[0] if not isinstance(out, Array) else out
         seq = seq_of(loss._seq)
-        if loss._conn.ask(seq):
+        ask = getattr(loss._conn, "ask", None)     # (a slice spanning hosts has none)
+        if ask is not None and ask(seq):
             self._loader_losses = (self._loader_losses + [(loss, seq, self._calls)])[-16:]
 
     def _surface_failed_batches(self) -> None:
