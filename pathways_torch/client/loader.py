@@ -54,6 +54,15 @@ from .connection import raise_buffer_error
 PUSH_WAIT_S = 0.5
 
 
+_ORIGIN = "pw.DataLoader"        # how the Arrays a loader makes name their origin
+
+
+def made_by_loader(leaf: Any) -> bool:
+    """A batch leaf a ``pw.DataLoader`` made (an Array, or Parts of them)."""
+    arrays = leaf.parts if isinstance(leaf, Parts) else [leaf]
+    return any(isinstance(a, Array) and f"of {_ORIGIN}(" in a._origin for a in arrays)
+
+
 class Parts:
     """One leaf of a batch cut into equal row blocks on several slices (MultiIsland's
     islands, a Pipeline's microbatches): ``parts[k]`` is an Array. Trainers split
@@ -392,7 +401,7 @@ class DataLoader:
     def _batch(self, epoch: int, index: int, size: int) -> Any:
         self._ensure_open()
         sp = self._spec
-        origin = f"batch {index} of epoch {epoch} of pw.DataLoader({sp.dataset!r})"
+        origin = f"batch {index} of epoch {epoch} of {_ORIGIN}({sp.dataset!r})"
         n = len(self._samples)
         # per leaf, per part of the whole batch: its Array (None where no target has it)
         placed: List[List[Optional[Array]]] = [[None] * self._targets[0].parts

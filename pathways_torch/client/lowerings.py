@@ -354,7 +354,6 @@ def _bits(a: torch.Tensor) -> int:
     return torch.iinfo(a.dtype).bits
 
 
-@outermost
 def right_shift(a, b):
     """``a >> b`` of integers, an arithmetic shift as torch's (torch_xla divided by
     2**b, rounding toward zero: -1 >> 1 came out 0, not -1); by the width or more, the
@@ -373,7 +372,6 @@ def right_shift(a, b):
                        torch.bitwise_right_shift(a, b.clamp(max=top)))
 
 
-@outermost
 def left_shift(a, b):
     """``a << b`` of integers by the width or more: 0, as torch's (an int64 shifted by
     a tensor's 64 wrapped round to the value; a Python amount failed to lower)."""

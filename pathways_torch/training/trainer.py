@@ -40,7 +40,7 @@ from ..client.array import Array, put
 from ..client.capture import tracing_now
 from ..client.connection import raise_buffer_error
 from ..client.graph import seq_of
-from ..client.loader import Parts
+from ..client.loader import made_by_loader
 from ..client.checkpoint import entries as checkpoint_entries, load_arrays, save_arrays
 from ..client import runtime, torch_paths
 from ..client.program import Program
@@ -462,7 +462,7 @@ class Trainer:
         a completion watermark), so that if the batch failed to load, which skips the
         step, the next step raises the loader's error even when the script never reads
         that loss, as torch's loop would have stopped at the batch."""
-        if not any(_from_loader(leaf) for leaf in pytree.tree_leaves((inputs, targets))):
+        if not any(made_by_loader(leaf) for leaf in pytree.tree_leaves((inputs, targets))):
             return
         loss = split_loss(out, Array)[0] if not isinstance(out, Array) else out
         seq = seq_of(loss._seq)
@@ -1063,12 +1063,6 @@ class _Schedulers:
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         for sch, one in zip(self.schedulers, sd["schedulers"]):
             sch.load_state_dict(one)
-
-
-def _from_loader(leaf: Any) -> bool:
-    """A batch leaf a ``pw.DataLoader`` made (an Array, or Parts of them)."""
-    arrays = leaf.parts if isinstance(leaf, Parts) else [leaf]
-    return any(isinstance(a, Array) and "of pw.DataLoader(" in a._origin for a in arrays)
 
 
 def _outside_trace(what: str) -> None:
