@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -811,6 +812,42 @@ def test_the_loss_of_a_single_example_equals_torch(s1):
         g = g.torch()
         assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+INDEX_DTYPES = {   # name: (function of logits [4, 3] and class indices [4], index dtype)
+    "cross_entropy int32": (lambda x, t: F.cross_entropy(x, t), torch.int32),
+    "cross_entropy uint8": (lambda x, t: F.cross_entropy(x, t), torch.uint8),
+    "its gradient, uint8": (lambda x, t: torch.autograd.grad(
+        F.cross_entropy(x.requires_grad_(), t), x)[0], torch.uint8),
+    "one example, uint8": (lambda x, t: F.nll_loss(x[0], t[0]), torch.uint8),
+    "nll_loss 4-D int32": (lambda x, t: F.nll_loss(x.view(4, 3, 1, 1).expand(4, 3, 2, 2),
+                                                   t.view(4, 1, 1).expand(4, 2, 2)),
+                           torch.int32),
+    "multi_margin int32": (lambda x, t: F.multi_margin_loss(x, t), torch.int32),
+    "multilabel_margin int32": (lambda x, t: F.multilabel_margin_loss(
+        x, t.view(4, 1).expand(4, 3)), torch.int32),
+    "index_select uint8": (lambda x, t: x.index_select(0, t), torch.uint8),
+    "index_select int32": (lambda x, t: x.index_select(0, t), torch.int32),
+}
+
+
+@pytest.mark.parametrize("case", list(INDEX_DTYPES))
+def test_class_indices_of_the_wrong_dtype_fail_as_in_torch(s1, case):
+    """torch's CPU kernels take int64 class indices (``nll_loss`` of a 2-D input uint8
+    too) and refuse int32 ones; their shape functions do not check, so before stop 42
+    an int32 target trained here and raised on the CPU, and a uint8 one raised here and
+    trained on the CPU. Now each does what torch does, with torch's numbers or message."""
+    fn, dtype = INDEX_DTYPES[case]
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([0, 1, 2, 0], dtype=dtype)
+    try:
+        want = fn(x.clone(), t)
+    except (RuntimeError, IndexError) as e:
+        with pytest.raises(pw.TraceError, match=re.escape(str(e).splitlines()[0])):
+            pw.program(fn)(pw.put(x, s1), pw.put(t, s1))
+        return
+    got = pw.program(fn)(pw.put(x, s1), pw.put(t, s1)).torch()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_interpolating_integers_other_than_nearest_is_refused_with_what_to_do(s1):

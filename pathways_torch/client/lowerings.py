@@ -770,10 +770,30 @@ def _broadcasting(op):
     return run
 
 
+_SCALAR_NAMES = {torch.int8: "Char", torch.uint8: "Byte", torch.int16: "Short",
+                 torch.int32: "Int", torch.int64: "Long", torch.bool: "Bool",
+                 torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float",
+                 torch.float64: "Double"}
+
+
+def _long_targets(target, byte: bool = False) -> None:
+    """torch's CPU kernels of the classification losses take int64 class indices (and
+    ``nll_loss`` of a 1-D or 2-D input uint8 ones); their shape functions do not check,
+    so an int32 target trained here and raised on the CPU: raised here as torch does."""
+    if target.dtype != torch.int64 and not (byte and target.dtype == torch.uint8):
+        name = _SCALAR_NAMES.get(target.dtype, str(target.dtype))
+        raise RuntimeError(f"expected scalar type Long but found {name}")
+
+
 def nll_loss_unbatched(x, target, weight, reduction, ignore_index):
     """``nll_loss`` of one example (``x`` [C], a 0-dim target: ``F.cross_entropy`` of a
     single sample) as a batch of one: torch_xla's kernel for it crashed the process
-    (a segfault when the op was first dispatched)."""
+    (a segfault when the op was first dispatched). uint8 targets become int64, as
+    torch's kernel reads them."""
+    _long_targets(target, byte=True)
+    if target.dtype == torch.uint8:
+        return torch.ops.aten.nll_loss_forward.default(x, target.long(), weight, reduction,
+                                                       ignore_index)
     if x.dim() != 1:
         return NotImplemented
     out, total = torch.ops.aten.nll_loss_forward.default(
@@ -783,11 +803,27 @@ def nll_loss_unbatched(x, target, weight, reduction, ignore_index):
 
 def nll_loss_backward_unbatched(grad, x, target, weight, reduction, ignore_index, total):
     """The backward of ``nll_loss_unbatched``, through the batched kernel."""
+    if target.dtype == torch.uint8:
+        return torch.ops.aten.nll_loss_backward.default(grad, x, target.long(), weight,
+                                                        reduction, ignore_index, total)
     if x.dim() != 1:
         return NotImplemented
     return torch.ops.aten.nll_loss_backward.default(
         grad.unsqueeze(0) if reduction == 0 else grad, x.unsqueeze(0),
         target.unsqueeze(0), weight, reduction, ignore_index, total).squeeze(0)
+
+
+def nll_loss2d_long(x, target, weight, reduction, ignore_index):
+    """``nll_loss2d`` takes int64 targets only, as torch's kernel does."""
+    _long_targets(target)
+    return NotImplemented
+
+
+def index_select_checked(x, dim, index):
+    """torch refuses an index that is not int32 or int64; torch_xla cast a uint8 one."""
+    if index.dtype not in (torch.int32, torch.int64):
+        raise IndexError("index_select(): Expected dtype int32 or int64 for index")
+    return NotImplemented
 
 
 def as_strided(x, size, stride, storage_offset=None):
@@ -1124,6 +1160,8 @@ def table() -> Dict[object, Callable]:
         aten.as_strided.default: as_strided,
         aten.nll_loss_forward.default: nll_loss_unbatched,
         aten.nll_loss_backward.default: nll_loss_backward_unbatched,
+        aten.nll_loss2d_forward.default: nll_loss2d_long,
+        aten.index_select.default: index_select_checked,
         **{op: _broadcasting(op) for op in (aten.clamp_min.Tensor, aten.clamp_max.Tensor)},
         aten.aminmax.default: aminmax,
         aten._linalg_svd.default: linalg_svd,
@@ -1362,6 +1400,7 @@ _REDUCTION = {"none": 0, "mean": 1, "sum": 2}
 def multi_margin_loss(input, target, p=1, margin=1.0, weight=None, size_average=None,
                       reduce=None, reduction="mean"):
     """torch's decomposition, differentiated by autograd (XLA lacks the backward)."""
+    _long_targets(target)
     if size_average is not None or reduce is not None or reduction not in _REDUCTION:
         return NotImplemented
     from torch._decomp.decompositions import multi_margin_loss as decomposed
@@ -1372,6 +1411,7 @@ def multilabel_margin_loss(input, target, size_average=None, reduce=None, reduct
     """sum over target classes j and other classes k of max(0, 1 - x[j] + x[k]) / C,
     the targets being each row's prefix before the first -1 (torch's own decomposition
     of this loss gives other numbers than its kernel)."""
+    _long_targets(target)
     if size_average is not None or reduce is not None or reduction not in _REDUCTION:
         return NotImplemented
     vector = input.dim() == 1
