@@ -470,6 +470,11 @@ EXACT = {
     "cumprod of integers and bools (no XLA lowering)": lambda i, n: [
         i.cumprod(1), i.int().cumprod(0), (i > 0).cumprod(1), i.cumprod(1, dtype=torch.int32),
         i[0, 0].cumprod(0)],
+    "comparisons with a Python int beyond the dtype (torch casts it: 300 is 44 in "
+    "uint8)": lambda i, n: [
+        i.to(torch.uint8) < 300, i.to(torch.uint8) > -1, i.to(torch.uint8) == 256,
+        i.to(torch.int8) >= -200, i.int() < 2 ** 40, i.int() != 2 ** 32,
+        i.to(torch.int16).lt(40000), i < 2 ** 40],
     "mean of complex numbers": lambda i, n: [
         torch.complex(i.float(), i.flip(1).float()).mean(),
         torch.complex(i.float(), -i.float()).mean(0)],

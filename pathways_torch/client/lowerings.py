@@ -661,8 +661,17 @@ def _compare_scalar(op):
     tensor's dtype first (to the default dtype for an integer tensor); torch_xla
     compares in double, so ``t == 0.4`` was False where t holds float32(0.4), and
     Rprop with ``etas=(0.4, ...)`` never zeroed its gradients. The rounded number
-    compares the same in both."""
+    compares the same in both. Likewise a Python int beyond an integer tensor's range
+    is cast to its dtype, as torch's kernel casts it: a uint8 ``t < 300`` compares with
+    44 in torch, and XLA compared with 300."""
     def compare(self, other):
+        if type(other) is int and self.dtype not in (torch.bool, torch.int64) and not (
+                self.is_floating_point() or self.is_complex()):
+            info = torch.iinfo(self.dtype)
+            if info.min <= other <= info.max:
+                return NotImplemented
+            other &= (1 << info.bits) - 1
+            return op(self, other - (1 << info.bits) if other > info.max else other)
         if not isinstance(other, float) or math.isnan(other) or math.isinf(other):
             return NotImplemented
         dtype = self.dtype if self.is_floating_point() else torch.get_default_dtype()
