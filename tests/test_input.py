@@ -291,6 +291,23 @@ def test_dataset_errors_are_typed_and_the_cluster_stays_usable(islands):
     assert torch.equal(pw.put(torch.ones(3), s).torch(), torch.ones(3))
 
 
+def test_a_bad_first_sample_fails_its_batch_not_the_loader(islands):
+    """torch's DataLoader reads nothing until it is iterated, so a corrupt sample 0
+    fails batch 0 and the next batches load. The loader learns its batches' shapes
+    from the first samples, and a bad sample 0 used to refuse the whole loader; it now
+    describes the batches from the first two samples that load."""
+    s = islands[0]
+    loader = pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 16, "bad": 0},
+                           batch_size=8, slice=s, spec=P("data"))
+    first, second = list(loader)
+    with pytest.raises(pw.DataLoaderError, match=r"index 0 .*batch 0 of epoch 0.*corrupt"):
+        first[0].torch()
+    assert torch.equal(second[0].torch(), loader_data.Rows(n=16).x[8:])
+    with pytest.raises(pw.DataLoaderError, match=r"index 0 .*corrupt"):   # nothing loads
+        pw.DataLoader("loader_data:rows", dataset_kwargs={"n": 1, "bad": 0},
+                      batch_size=1, slice=s)
+
+
 @pytest.mark.parametrize("strategy", ["dp", "pipeline"])
 def test_a_step_on_a_batch_that_failed_to_load_leaves_the_trainer_as_it_was(islands,
                                                                             strategy):

@@ -175,12 +175,32 @@ class HostLoader:
             n = min(2, self.length)
             if n == 0:
                 raise LoaderError(f"the dataset of {self.spec.dataset!r} is empty")
-            batch = self._collate([0, 1][:n], epoch=0, index=0)
+            try:
+                batch = self._collate([0, 1][:n], epoch=0, index=0)
+            except LoaderError as e:
+                batch = self._first_loadable(e)
         leaves, tree = pytree.tree_flatten(batch)
         items = _leaf_items(batch)
         self.samples = [(codec.dtype_name(leaf.dtype), tuple(leaf.shape[1:]))
                         for leaf in leaves]
         return pytree.treespec_dumps(tree), self.samples, items
+
+    def _first_loadable(self, failed: LoaderError, tries: int = 64):
+        """Two samples that load, collated, when the first two do not: torch's
+        DataLoader reads nothing until it is iterated, so a bad sample 0 fails its
+        batch, not the loader (``failed`` is raised when none of ``tries`` loads)."""
+        good: List[int] = []
+        for i in range(min(self.length, tries)):
+            try:
+                self._collate([i], epoch=0, index=0)
+            except LoaderError:
+                continue
+            good.append(i)
+            if len(good) == 2:
+                break
+        if not good:
+            raise failed
+        return self._collate(good, epoch=0, index=0)
 
     def _collate(self, indices: List[int], epoch: int, index: int):
         return _Rows(self.source).load((epoch, index, indices))
