@@ -475,6 +475,18 @@ EXACT = {
         i.to(torch.uint8) < 300, i.to(torch.uint8) > -1, i.to(torch.uint8) == 256,
         i.to(torch.int8) >= -200, i.int() < 2 ** 40, i.int() != 2 ** 32,
         i.to(torch.int16).lt(40000), i < 2 ** 40],
+    "sorting as torch: -0.0 ties 0.0, every NaN last (a sign bit set too), 16-bit "
+    "floats": lambda i, n: [
+        list(torch.cat([n, -n, n * 0, -(n * 0)]).sort(stable=True)),
+        list(torch.cat([n, -n, n * 0]).bfloat16().sort(descending=True, stable=True)),
+        torch.cat([n * 0, -(n * 0), n]).half().argsort(stable=True),
+        list(torch.cat([n, -n]).bfloat16().topk(3, largest=False)),
+        list(torch.cat([n, -n]).bfloat16().reshape(2, 6).kthvalue(2, 1))],
+    "median and nanmedian of all elements, 0-dim sorts and selects": lambda i, n: [
+        n.median(), n.nanmedian(), n.nan_to_num(4.0).median(), (-n).bfloat16().nanmedian(),
+        i.median(), i.nanmedian(), (n * 0).nanmedian(),
+        list(n.reshape(2, 3).median(1)), list(n[0].sort()), list(n[0].topk(1)),
+        list(n[1].kthvalue(1)), n[1].argsort(), n[0].index_select(0, i[0, 1:2] - 1)],
     "mean of complex numbers": lambda i, n: [
         torch.complex(i.float(), i.flip(1).float()).mean(),
         torch.complex(i.float(), -i.float()).mean(0)],

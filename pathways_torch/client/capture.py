@@ -700,11 +700,15 @@ def _scalars_as_vectors(target, args, kwargs):
     if "dim" not in names and "dims" not in names:       # flip's is "dims"
         return None
     tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    if not tensors or any(t.dim() != 0 for t in tensors):
+    # the first is the 0-dim one; an index may be a 1-element vector (index_select)
+    if not tensors or tensors[0].dim() != 0 or any(
+            t.dim() > 1 or t.numel() != 1 for t in tensors):
         return None
     key = "dim" if "dim" in names else "dims"
     k = names.index(key)
-    dim = args[k] if k < len(args) else kwargs.get(key)
+    arg = target._schema.arguments[k]
+    dim = args[k] if k < len(args) else kwargs.get(
+        key, arg.default_value if arg.has_default_value() else None)   # sort's -1
     dims = [dim] if isinstance(dim, int) else list(dim or ())
     if not dims or any(d not in (0, -1) for d in dims):
         return None

@@ -28,7 +28,7 @@ import functools
 import math
 import struct
 import threading
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import numpy as np
 import torch
@@ -95,7 +95,94 @@ def median_dim(x: torch.Tensor, dim: int = -1, keepdim: bool = False):
     """``x.median(dim)``: torch's lower median is the ((n - 1) // 2 + 1)-th smallest,
     which XLA computes as a kthvalue (torch_xla runs median(dim) on the CPU)."""
     n = x.shape[dim] if x.dim() else 1
-    return torch.ops.aten.kthvalue.default(x, (n - 1) // 2 + 1, dim, keepdim)
+    values, indices = torch.ops.aten.kthvalue.default(x, (n - 1) // 2 + 1, dim, keepdim)
+    if not x.is_floating_point() or x.dim() == 0:
+        return values, indices
+    # torch's median is NaN where the row holds one, at the first NaN's index
+    nan = x.isnan()
+    first = nan.to(torch.uint8).argmax(dim, keepdim=keepdim)
+    has = nan.any(dim, keepdim=keepdim)
+    return (torch.where(has, torch.full_like(values, math.nan), values),
+            torch.where(has, first, indices))
+
+
+def _order_key(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """What a floating tensor is sorted by so that XLA orders it as torch does. XLA's
+    comparator is IEEE's total order, torch's is not: it put -0.0 before 0.0 (a stable
+    sort of masked scores gave other indices), and a NaN with its sign bit set before
+    -inf (torch's own float-to-bfloat16 cast makes such NaNs). torch puts every NaN
+    last, ties zeros. None where the tensor sorts as it is."""
+    if not x.is_floating_point():
+        return None
+    key = torch.where(x == 0, torch.zeros_like(x), x)
+    return torch.where(x.isnan(), torch.full_like(x, math.nan), key)
+
+
+_ORDERING = threading.local()
+
+
+def _ordered(x, run):
+    """``run(key)`` -> indices by ``_order_key``; ``op`` itself where the key is ``x``
+    or while the key is being ordered (the op on the key comes back here)."""
+    if getattr(_ORDERING, "on", False):
+        return NotImplemented
+    key = _order_key(x)
+    if key is None:
+        return NotImplemented
+    _ORDERING.on = True
+    try:
+        return run(key)
+    finally:
+        _ORDERING.on = False
+
+
+def sort_like_torch(x, *args, **kwargs):
+    """``sort``, ``topk``, ``kthvalue`` by ``_order_key``, with the values read back
+    from ``x`` at the indices found (each keeps its own sign of zero)."""
+    def run(key):
+        dim = kwargs.get("dim", args[0] if args else -1)   # sort.stable's are keywords
+        indices = torch.sort(key, *args, **kwargs)[1]
+        return (x.gather(dim, indices) if x.dim() else x.clone()), indices
+    return _ordered(x, run)
+
+
+def topk_like_torch(x, k, dim=-1, largest=True, sorted=True):
+    def run(key):
+        indices = torch.topk(key, k, dim, largest, sorted)[1]
+        return (x.gather(dim, indices) if x.dim() else x.clone()), indices
+    return _ordered(x, run)
+
+
+def kthvalue_like_torch(x, k, dim=-1, keepdim=False):
+    if x.dim() == 0:
+        return NotImplemented
+
+    def run(key):
+        indices = torch.ops.aten.kthvalue.default(key, k, dim, True)[1]
+        values = x.gather(dim, indices)
+        return (values, indices) if keepdim else (values.squeeze(dim), indices.squeeze(dim))
+    return _ordered(x, run)
+
+
+def median_all(x: torch.Tensor) -> torch.Tensor:
+    """``x.median()``: the lower median of every element, NaN if one is NaN (torch_xla
+    had no lowering: refused)."""
+    return median_dim(x.reshape(-1), 0)[0]
+
+
+def nanmedian_all(x: torch.Tensor) -> torch.Tensor:
+    """``x.nanmedian()``: the lower median of the elements that are not NaN (NaN when
+    none is), read from the sorted values at a position that depends on how many are
+    NaN, which is why it is a sort and not a kthvalue."""
+    flat = x.reshape(-1)
+    if not x.is_floating_point():
+        return median_all(x)
+    nan = flat.isnan()
+    m = (~nan).sum()
+    ordered = torch.where(nan, torch.full_like(flat, math.inf), flat).sort().values
+    at = ((m - 1) // 2).clamp(min=0).reshape(1)
+    v = ordered.index_select(0, at).reshape(())
+    return torch.where(m == 0, torch.full_like(v, math.nan), v)
 
 
 def exp2(x: torch.Tensor) -> torch.Tensor:
@@ -1142,6 +1229,12 @@ def table() -> Dict[object, Callable]:
         aten.logspace.default: decomposition_table[aten.logspace.default],
         aten._weight_norm_interface_backward.default: weight_norm_backward,
         aten.median.dim: median_dim,
+        aten.median.default: median_all,
+        aten.sort.default: sort_like_torch,
+        aten.sort.stable: sort_like_torch,
+        aten.topk.default: topk_like_torch,
+        aten.kthvalue.default: kthvalue_like_torch,
+        aten.nanmedian.default: nanmedian_all,
         aten.exp2.default: exp2,
         aten.hypot.default: hypot,
         aten.fmax.default: fmax,
