@@ -1045,3 +1045,21 @@ def test_stale_gradients_are_cleared_and_retraces_are_said(s2):
         for i, (x, y) in enumerate(batches(5)):
             weights[i % 4] += 1.0
             tr.step(x, y)
+
+
+def test_a_module_registered_under_two_names_keeps_its_parameters(s2):
+    """ALBERT's one block in every layer (``nn.ModuleList([blk, blk])``): the first step
+    left the block holding the trace's fake tensors, so every later read of the module
+    (a CPU forward, state_dict, named_parameters) raised. It trains as torch's does
+    and stays a module."""
+    def shared(seed=0):
+        torch.manual_seed(seed)
+        blk = nn.Linear(8, 8)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), blk, nn.Tanh(), blk,
+                             nn.Linear(8, 4))
+    ref, got, tr = both(adam, model=shared, s=s2)
+    assert got[2] is got[4] and type(got[2]._parameters["weight"]) is nn.Parameter
+    x = batches(1)[0][0]
+    torch.testing.assert_close(got(x), ref(x))
+    assert list(got.state_dict()) == list(ref.state_dict())
+    tr.step(*batches(1)[0])               # and it goes on training

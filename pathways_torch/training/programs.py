@@ -96,7 +96,10 @@ def reparametrized(model: torch.nn.Module, tensors: Dict[str, torch.Tensor]):
     whatever parameters the module holds then."""
     from torch.nn.utils.stateless import _reparametrize_module
     try:
-        with _reparametrize_module(model, tensors, tie_weights=True):
+        # stack_weights: restored in reverse, so a module registered under two names
+        # (ALBERT's one block in every layer) gets its own tensors back, not the first
+        # swap's stand-ins
+        with _reparametrize_module(model, tensors, tie_weights=True, stack_weights=True):
             yield
             _keep_rebound_buffers(model, tensors)
     finally:
