@@ -1063,3 +1063,29 @@ def test_a_module_registered_under_two_names_keeps_its_parameters(s2):
     torch.testing.assert_close(got(x), ref(x))
     assert list(got.state_dict()) == list(ref.state_dict())
     tr.step(*batches(1)[0])               # and it goes on training
+
+
+def test_a_program_that_calls_the_trained_module_sees_the_trained_values(s2):
+    """``@pw.program def infer(x): return model(x)`` between steps computed with the
+    module's values from before the Trainer (its CPU tensors, behind the workers until
+    synced), silently; torch's loop would use the trained ones. The program now syncs
+    the module when it is traced and before each call (traced again when the values
+    changed, with the warning that points to predict())."""
+    ref, got = mlp(), mlp()
+    ref_opt, got_opt = adam(ref), adam(got)
+    tr = trainer(got, got_opt, s2)
+
+    @pw.program
+    def infer(x):
+        return got(x).softmax(-1)
+
+    data, x_val = batches(4), batches(1, seed=9)[0][0]
+    with pytest.warns(pw.RetraceWarning, match="that Trainer's predict"):
+        for i, (x, y) in enumerate(data):
+            tr.step(x, y)
+            torch_run(ref, ref_opt, [(x, y)])
+            got_val = infer(pw.put(x_val, s2)).torch()
+            torch.testing.assert_close(got_val, ref(x_val).softmax(-1), rtol=1e-5,
+                                       atol=1e-6, msg=lambda m, i=i: f"after step {i}: {m}")
+    x, y = batches(1, seed=3)[0]
+    assert_losses([float(tr.step(x, y))], torch_run(ref, ref_opt, [(x, y)]))

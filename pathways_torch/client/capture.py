@@ -53,6 +53,13 @@ from ..errors import (DataDependentError, PathwaysError, ShapeError, TraceError,
 from . import hostrng, lowerings, opmath, remat, torch_paths
 
 _lock = threading.RLock()
+
+#: Functions of the CPU tensors a trace read from outside its arguments that bring
+#: them up to date and return a function doing so again before each later call, or
+#: None when they have nothing to do with them. training/reads.py registers one: the
+#: module a pw.Trainer trains is behind its workers until synced, and a program that
+#: calls it must see the trained values, as a torch loop would.
+KEEPERS: List[Callable[[List[torch.Tensor]], Optional[Callable[[], None]]]] = []
 _device = None
 #: The RNG seed set before each replay: the one int64 scalar leaf holding it is the
 #: graph's seed (torch_xla derives every further random op's seed from it in the IR).
@@ -102,9 +109,13 @@ class Traced:
     #: closure), with their version counters at the trace: changed in place since,
     #: the program is stale (``stale``).
     sources: List[Tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
+    #: Brings the sources up to date before each check (``KEEPERS``), or None.
+    keep: Optional[Callable[[], None]] = None
 
     def stale(self) -> bool:
         """A tensor the function read from outside its arguments changed in place."""
+        if self.keep is not None:
+            self.keep()
         return any(t._version != v for t, v in self.sources)
 
     def __post_init__(self) -> None:
@@ -770,9 +781,12 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
                 "torch.bernoulli: each call gets a new seed), or turn the feature off "
                 "(Hugging Face: config.layerdrop=0.0, mask_time_prob=0.0)", UserWarning)
         _check_ops(gm, name, dev)
-        sources = [(t, t._version) for t in (getattr(gm, n.target) for n in gm.graph.nodes
-                                             if n.op == "get_attr")
+        outside = [t for t in (getattr(gm, n.target) for n in gm.graph.nodes
+                               if n.op == "get_attr")
                    if isinstance(t, torch.Tensor) and not t.is_inference()]
+        keeps = [k for k in (keeper(outside) for keeper in KEEPERS) if k is not None] \
+            if outside else []
+        sources = [(t, t._version) for t in outside]
         import torch_xla
         import torch_xla.core.xla_model as xm
         from torch_xla.core.xla_builder import create_placeholder_tensor
@@ -825,4 +839,6 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         h.update(c.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                  if c.numel() else b"")
     return Traced(name, hlo, params, constants, out_avals, info["tree"], info["statics"],
-                  h.hexdigest()[:24], mutations, rng, len(out_avals) - n_out, sources)
+                  h.hexdigest()[:24], mutations, rng, len(out_avals) - n_out, sources,
+                  (keeps[0] if len(keeps) == 1 else
+                   (lambda: [k() for k in keeps] and None)) if keeps else None)

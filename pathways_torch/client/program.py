@@ -405,9 +405,9 @@ class Program:
                 "pass that tensor as an argument instead (for a pw.Trainer's loss_fn or "
                 "model: a buffer of the model, model.register_buffer(name, t), read "
                 "through the model and updated in place), which makes it an input. A "
-                "model another pw.Trainer trains, called in a loss_fn (a teacher): "
-                "compute its outputs with that Trainer's predict() before the step and "
-                "pass them in as targets",
+                "model a pw.Trainer trains, called in a program or in another Trainer's "
+                "loss_fn (a teacher): compute its outputs with that Trainer's predict() "
+                "(before the step, and pass them in as targets)",
                 RetraceWarning, stacklevel=4)
 
     def _leaf_name(self, args, kwargs, i: int) -> str:

@@ -339,6 +339,28 @@ def _warn_clipping(t: Any, name: str) -> None:
 SELF_READING: set = set()
 
 
+def keep_trained(tensors: List[torch.Tensor]):
+    """``capture.KEEPERS``'s entry: when a program read tensors of a module that a
+    Trainer trains (``@pw.program def infer(x): return model(x)`` between steps), sync
+    that module now and before each later call, so the program computes with the
+    trained values (a program traced again when they changed) instead of those of the
+    module's last sync. None when no Trainer's module holds any of ``tensors``."""
+    from . import follow
+    ids = {id(t) for t in tensors}
+    owners = [weakref.ref(tr) for tr in (w.owner() for w in list(follow._WATCHES)
+                                         if w.ids & ids) if tr is not None]
+    if not owners:
+        return None
+
+    def keep() -> None:
+        for ref in owners:
+            tr = ref()
+            if tr is not None and tr._synced != tr._version:
+                tr._sync_if_stale(optimizer=False)
+    keep()
+    return keep
+
+
 def _on_read(t: Any, d: Synced, key) -> None:
     """The script reads ``d[key]`` (or all of ``d``): if a step updated one of those
     tensors since the module last agreed with the workers, sync ``t`` first; then

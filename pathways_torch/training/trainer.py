@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from .._trees import plain_batch
 from ..client.array import Array, put
-from ..client.capture import tracing_now
+from ..client.capture import KEEPERS, tracing_now
 from ..client.connection import raise_buffer_error
 from ..client.graph import seq_of
 from ..client.loader import made_by_loader
@@ -58,6 +58,8 @@ from .islands import multi_island_step
 from .pipeline import _split_stages, pipeline_eval, pipeline_step, stage_ties
 from .programs import (FOUND_INF, GRAD_NORM, GROUP_TENSORS, Options, make_eval_fn,
                        make_predict_fn, make_step_fn, precision_mode, split_loss)
+
+KEEPERS.append(reads.keep_trained)   # programs that call a trained module
 
 
 class Trainer:
