@@ -207,6 +207,30 @@ def test_torch_manual_seed_after_init_seeds_program_calls(s4):
     assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], c)
 
 
+def test_the_first_call_of_a_program_draws_what_its_later_calls_draw(s4):
+    """The first call traces the program, and the trace ran each op once on zeros to
+    find torch_xla's CPU fallbacks: a random op drew from torch's generator there, so
+    ``torch.manual_seed(0); f(x)`` gave other numbers on the first call than on every
+    later one, and the script's own draws after it shifted."""
+    from pathways_torch.client import runtime
+    state = runtime.get_state()
+    saved, state.seeds = state.seeds, None          # the calls follow torch's seed
+
+    @pw.program
+    def fresh(x):                    # shapes no other test probes
+        return torch.rand(7, 3, 5) + x, torch.nn.functional.dropout(x.expand(7, 3, 5), 0.5)
+    try:
+        x = pw.put(torch.zeros(5), s4)
+        runs = []
+        for _ in range(3):
+            torch.manual_seed(11)
+            runs.append([t.torch() for t in fresh(x)] + [torch.rand(4)])
+    finally:
+        state.seeds = saved
+    for later in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
+
+
 def test_a_sharded_draw_is_the_unsharded_draw(s4):
     """Each shard holds its own part of one draw: not the same numbers on every shard."""
     @pw.program(out_specs=P("data"))

@@ -252,7 +252,10 @@ def _falls_back(op, node, device) -> List[str]:
         return []
 
     def run():
-        with torch.no_grad():
+        # a random op draws a seed from torch's generator: the probe leaves it as it
+        # was, or a program's first call would shift the draws after it (its later
+        # calls, the script's own) from what torch.manual_seed set
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             op(*args, **kwargs)
 
     _FALLBACKS[key] = cpu_fallbacks(run)
