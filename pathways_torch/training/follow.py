@@ -717,6 +717,7 @@ def relayout(tr, fresh: List[str]) -> None:
         check_state_shapes(n, held[n], {**tr._parked[0].get(n, {}), **tr.states[0].get(n, {})})
     if isinstance(tr.optimizer, fopt.Chain):
         tr.optimizer.refresh()
+    _keep_replaced(tr, tensors)
     tr._held = held
     tr._group_of = {n: ids[id(p)] for n, p in held.items() if p.requires_grad}
     tr._groups = [[n for n in now if tr._group_of[n] == gi]
@@ -725,8 +726,15 @@ def relayout(tr, fresh: List[str]) -> None:
     tr._floats = fopt.floats(tr.optimizer)
     tr.opt = dict(fopt.describe(tr.optimizer, tr._dynamic), book=tr._book)
     tr._place(tr.slices)
-    # the optimizer's state replaces the workers' where the script replaced it
-    keep_state = set() if replacing_state else same
+    # the optimizer's state replaces the workers' where the script replaced it. A
+    # parameter converted in place (``model.double()`` reassigns each ``.data``: the
+    # same object, another dtype) keeps its state in torch, as it was: the workers'
+    # is that where steps ran since the optimizer's here was synced (before any step
+    # torch has no state, and its first step makes it in the new dtype)
+    converted = {n for n, t in tensors.items() if n not in same
+                 and w.kinds.get(n, (None,))[0] == id(t) and w.kinds[n][2] == tuple(t.shape)
+                 } if tr._opt_synced != tr._version else set()
+    keep_state = set() if replacing_state else same | converted
     if keep_state is not same:
         tr.steps = next((int(st["step"]) for st in tr.optimizer.state.values()
                          if "step" in st), tr.steps)
@@ -768,6 +776,26 @@ def relayout(tr, fresh: List[str]) -> None:
     reads.cover_state(tr)         # a state dict loaded into the optimizer: likewise
     tr._programs.clear()          # their update names the trained parameters
     w.attributes.record()         # of the modules there are now
+
+
+def _keep_replaced(tr, tensors: Dict[str, torch.Tensor]) -> None:
+    """A trained parameter the script replaced in the module (``old = m.head;
+    m.head = nn.Linear(...)``) is dropped from the workers: first its trained value
+    and optimizer state go into the old tensor and ``optimizer.state`` of it, which
+    held those of the last sync. In torch the old head keeps what it learned, and
+    putting it back (``m.head = old``) trains on from there."""
+    stale = tr._watch.stale_names(tr)
+    gone = {n: p for n, p in tr._held.items()
+            if tensors.get(n) is not p and n in stale and n in tr.replicas[0]}
+    for n, p in gone.items():
+        value = tr.replicas[0][n].torch()
+        if value.shape != p.shape or value.dtype != p.dtype:
+            continue
+        with torch.no_grad():
+            p.copy_(value)
+        st = tr.states[0].get(n)
+        if st:
+            tr.optimizer.state[p].update({k: a.torch().clone() for k, a in st.items()})
 
 
 def check_state_shapes(name: str, p: torch.Tensor, state) -> None:
