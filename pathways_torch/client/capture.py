@@ -42,6 +42,7 @@ import hashlib
 import logging
 import os
 import threading
+import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -111,18 +112,40 @@ class Traced:
     sources: List[Tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
     #: Brings the sources up to date before each check (``KEEPERS``), or None.
     keep: Optional[Callable[[], None]] = None
+    #: ``value_print`` of each source at the trace.
+    prints: List[int] = dataclasses.field(default_factory=list)
 
     def stale(self) -> bool:
-        """A tensor the function read from outside its arguments changed in place."""
+        """A tensor the function read from outside its arguments changed in place:
+        its version counter moved, or its values (a write through ``.data`` or a numpy
+        view, which the counter misses: a target network's Polyak update
+        ``tp.data.mul_(1 - tau).add_(tau * p.data)``)."""
         if self.keep is not None:
             self.keep()
-        return any(t._version != v for t, v in self.sources)
+        return any(t._version != v for t, v in self.sources) or any(
+            value_print(t) != p for (t, _), p in zip(self.sources, self.prints))
 
     def __post_init__(self) -> None:
         # what each call looks up (derived once: calls are the dispatch hot path)
         self.mutated_inputs = frozenset(k for k, _ in self.mutations)
         self.written_by = {o: k for k, o in self.mutations}     # output -> input
         self.kept_outputs = len(self.out_avals) - self.extra
+
+
+_PRINT_WHOLE = 1 << 16       # elements: larger tensors are fingerprinted by a sample
+
+
+def value_print(t: torch.Tensor) -> int:
+    """A CRC-32 of ``t``'s values: all of them up to ``_PRINT_WHOLE`` elements, else
+    4,096 spread evenly over it (an update through ``.data`` that touches every
+    element, as a Polyak average or a ``copy_`` does, shows in any sample)."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() > _PRINT_WHOLE:
+        flat = flat[::flat.numel() // 4096]
+    flat = flat.contiguous()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    return zlib.crc32(flat.view(torch.uint8).numpy()) if flat.numel() else 0
 
 
 def _data_dependent(name: str, what: str, where: str = "") -> DataDependentError:
@@ -790,6 +813,7 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         keeps = [k for k in (keeper(outside) for keeper in KEEPERS) if k is not None] \
             if outside else []
         sources = [(t, t._version) for t in outside]
+        prints = [value_print(t) for t in outside]
         import torch_xla
         import torch_xla.core.xla_model as xm
         from torch_xla.core.xla_builder import create_placeholder_tensor
@@ -844,4 +868,4 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
     return Traced(name, hlo, params, constants, out_avals, info["tree"], info["statics"],
                   h.hexdigest()[:24], mutations, rng, len(out_avals) - n_out, sources,
                   (keeps[0] if len(keeps) == 1 else
-                   (lambda: [k() for k in keeps] and None)) if keeps else None)
+                   (lambda: [k() for k in keeps] and None)) if keeps else None, prints)
