@@ -95,18 +95,44 @@ def reparametrized(model: torch.nn.Module, tensors: Dict[str, torch.Tensor]):
     ``torch.utils.checkpoint`` recomputes the forward during the backward, with
     whatever parameters the module holds then."""
     from torch.nn.utils.stateless import _reparametrize_module
+    storages = {n: _storage(t) for n, t in tensors.items()}
     try:
         # stack_weights: restored in reverse, so a module registered under two names
         # (ALBERT's one block in every layer) gets its own tensors back, not the first
         # swap's stand-ins
         with _reparametrize_module(model, tensors, tie_weights=True, stack_weights=True):
             yield
+            _refuse_data_assignments(tensors, storages)
             _keep_rebound_buffers(model, tensors)
     finally:
         # RNNs cache their weights in _flat_weights, which would keep the traced ones
         for m in model.modules():
             if isinstance(m, torch.nn.RNNBase):
                 m._init_flat_weights()
+
+
+def _storage(t) -> Optional[int]:
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:       # a tensor subclass without storage
+        return None
+
+
+def _refuse_data_assignments(tensors: Dict[str, torch.Tensor], storages: dict) -> None:
+    """A forward that assigns a parameter's or buffer's ``.data`` (MoCo's momentum
+    encoder: ``pk.data = pk.data * m + pq.data * (1 - m)``) swaps the tensor's storage,
+    which a trace records nowhere: the update was lost, silently, and the encoder
+    never moved. Refused, with the in-place form torch computes the same."""
+    swapped = [n for n, t in tensors.items()
+               if storages.get(n) is not None and _storage(t) != storages[n]]
+    if swapped:
+        raise TraceError(
+            f"the forward assigns .data of {', '.join(swapped[:4])}"
+            f"{' ...' if len(swapped) > 4 else ''}: a traced step cannot rebind a "
+            "tensor's data, so the new value would be lost. Update it in place instead, "
+            "which torch computes the same: with torch.no_grad(): "
+            "pk.mul_(m).add_(pq.detach(), alpha=1 - m) (or pk.lerp_(pq.detach(), 1 - m), "
+            "or pk.copy_(new_value))")
 
 
 _warned_rebound: set = set()
