@@ -164,6 +164,19 @@ def kthvalue_like_torch(x, k, dim=-1, keepdim=False):
     return _ordered(x, run)
 
 
+def scatter_value_long_index(x, dim, index, value, reduce=None):
+    """``x.scatter(dim, index, value)`` with more index entries along ``dim`` than ``x``
+    has (64 edges into 24 nodes: torch's backward of ``scatter_reduce(...,
+    include_self=False)`` does this): torch_xla sliced ``x`` to the index's shape and
+    failed to lower. The positions the index hits take ``value``, the others keep
+    ``x``."""
+    if reduce is not None or index.dim() == 0 or index.shape[dim] <= x.shape[dim]:
+        return NotImplemented
+    hits = torch.zeros(x.shape, dtype=torch.int32).scatter_add(
+        dim, index, torch.ones(index.shape, dtype=torch.int32))
+    return torch.where(hits > 0, torch.full_like(x, value), x)
+
+
 def median_all(x: torch.Tensor) -> torch.Tensor:
     """``x.median()``: the lower median of every element, NaN if one is NaN (torch_xla
     had no lowering: refused)."""
@@ -1230,6 +1243,7 @@ def table() -> Dict[object, Callable]:
         aten._weight_norm_interface_backward.default: weight_norm_backward,
         aten.median.dim: median_dim,
         aten.median.default: median_all,
+        aten.scatter.value: scatter_value_long_index,
         aten.sort.default: sort_like_torch,
         aten.sort.stable: sort_like_torch,
         aten.topk.default: topk_like_torch,
