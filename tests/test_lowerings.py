@@ -241,6 +241,11 @@ CASES = {
     "scatter_reduce prod, include_self=False": (
         lambda x: torch.full((3, 16), 2.0).scatter_reduce(0, EDGES, x, "prod",
                                                           include_self=False), VEC),
+    "scatter_reduce into a tensor that needs its gradient, more edges than nodes": (
+        lambda x: x[:2].scatter_reduce(0, EDGES[:, :1].expand(4, 16) // 2, x * 2, "amax",
+                                       include_self=False), VEC),
+    "scatter of a value, more index rows than rows": (
+        lambda x: x[:3].scatter(0, EDGES // 2, 0.5), VEC),
     "lgamma": (torch.lgamma, VEC * 3),
     "digamma": (torch.digamma, VEC * 3),
     "polygamma(1)": (lambda x: torch.polygamma(1, x), VEC.abs() + 0.2),

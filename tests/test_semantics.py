@@ -534,6 +534,32 @@ def test_a_tensor_read_from_outside_and_changed_in_place_is_read_again(s4):
     assert scale(x).torch().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_a_write_through_data_or_numpy_to_a_tensor_read_from_outside_is_seen(s4):
+    """A target network's Polyak update (``tp.data.mul_(1 - tau).add_(tau * p.data)``)
+    and a write through a numpy view leave the tensor's version counter as it was: the
+    program kept computing with the values of its trace (a DQN trained against its
+    initial target, silently). The values are compared too: a large tensor by a
+    sample of them, which an update of every element changes."""
+    w = torch.ones(4)
+    big = torch.nn.Linear(512, 256, bias=False)          # 131,072 weights: sampled
+    torch.nn.init.ones_(big.weight)
+
+    @pw.program
+    def f(x):
+        return x * w, big(x.expand(1, 128).reshape(1, 512))
+
+    x = pw.put(torch.ones(128), s4)
+    for _ in range(2):
+        assert f(x)[0].torch().tolist() == [1.0] * 4
+    w.data.mul_(2)
+    assert f(x)[0].torch().tolist() == [2.0] * 4
+    w.numpy()[:] = 7
+    assert f(x)[0].torch().tolist() == [7.0] * 4
+    with torch.no_grad():
+        big.weight.data.mul_(0.5).add_(0.25)                 # every element
+    torch.testing.assert_close(f(x)[1].torch(), torch.full((1, 256), 512 * 0.75))
+
+
 def test_a_program_that_writes_into_a_tensor_it_closes_over_is_refused(s4):
     """torch updates a module's buffer (BatchNorm in train mode) or a global tensor at
     every call; a program's constants are fixed at its trace, so its calls could not.

@@ -1089,3 +1089,82 @@ def test_a_program_that_calls_the_trained_module_sees_the_trained_values(s2):
                                        atol=1e-6, msg=lambda m, i=i: f"after step {i}: {m}")
     x, y = batches(1, seed=3)[0]
     assert_losses([float(tr.step(x, y))], torch_run(ref, ref_opt, [(x, y)]))
+
+
+def test_a_model_converted_between_steps_keeps_its_optimizer_state(s2):
+    """``model.double()`` after two steps, with no sync_to before it: the conversion
+    reassigns each parameter's ``.data``, and the relayout that follows rebuilt the
+    optimizer's state from the client's copy (as of the last sync: none here), so the
+    momentum restarted from zero; torch keeps the state as it was, in float32."""
+    ref, got = mlp(), mlp()
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    ref_opt, got_opt = make(ref), make(got)
+    tr = trainer(got, got_opt, s2)
+    want, losses = [], []
+    for i, (x, y) in enumerate(batches(4)):
+        if i == 2:
+            ref.double(), got.double()
+            x = x.double()
+        elif i > 2:
+            x = x.double()
+        want += torch_run(ref, ref_opt, [(x, y)])
+        losses.append(float(tr.step(x, y)))
+    assert_losses(losses, want)
+    tr.sync_to()
+    assert_same_model(got, ref)
+    for p, q in zip(got.parameters(), ref.parameters()):
+        a, b = got_opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"]
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_replaced_layer_keeps_what_it_learned_and_trains_on_when_put_back(s2):
+    """``old = m[4]; m[4] = nn.Linear(...)`` between steps dropped the old layer's
+    Arrays without copying them into it: the old layer held its values from before
+    the Trainer, and putting it back (``m[4] = old``) trained on from those, with a
+    fresh momentum. In torch the old layer keeps what it learned, and its state."""
+    data = batches(6)
+    runs = {}
+    for who in ("torch", "pw"):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        tr = trainer(model, opt, s2) if who == "pw" else None
+        old, losses = model[4], []
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                torch.manual_seed(5)
+                model[4] = nn.Linear(16, 4)
+                opt.add_param_group({"params": list(model[4].parameters())})
+            if i == 4:
+                model[4] = old
+            losses += pw_run(tr, [(x, y)]) if tr else torch_run(model, opt, [(x, y)])
+            if i == 3:
+                runs.setdefault(who, {})["old"] = old.weight.detach().clone()
+        runs[who]["losses"] = losses
+        runs[who]["model"] = model
+    assert_losses(runs["pw"]["losses"], runs["torch"]["losses"])
+    torch.testing.assert_close(runs["pw"]["old"], runs["torch"]["old"], rtol=TOL, atol=TOL)
+    assert_same_model(runs["pw"]["model"], runs["torch"]["model"])
+
+
+def test_a_forward_that_assigns_data_is_refused_with_the_in_place_form(s2):
+    """MoCo's momentum encoder, ``pk.data = pk.data * m + pq.data * (1 - m)`` in the
+    forward: the trace recorded no update, so the key encoder never moved (losses 4x
+    torch's by step 3, silently). Refused, naming the tensors and the in-place form."""
+    class Momentum(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(8, 4), nn.Linear(8, 4)
+            self.k.requires_grad_(False)
+
+        def forward(self, x):
+            with torch.no_grad():
+                for pq, pk in zip(self.q.parameters(), self.k.parameters()):
+                    pk.data = pk.data * 0.9 + pq.data * 0.1
+            return self.q(x) + self.k(x)
+
+    model = Momentum()
+    tr = trainer(model, torch.optim.SGD(model.q.parameters(), lr=0.1), s2)
+    with pytest.raises(pw.TraceError, match=r"assigns \.data of k\.weight, k\.bias.*"
+                                            r"pk\.mul_\(m\)\.add_"):
+        tr.step(*batches(1)[0])
