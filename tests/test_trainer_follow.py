@@ -860,12 +860,39 @@ def test_a_python_counter_the_forward_bumps_warns_and_a_buffer_counts(s2):
     model = Counts()
     tr = trainer(model, adam(model), s2)
     x, y = batches(1)[0]
-    with pytest.warns(UserWarning, match=r"model\.calls went up by one while the step "
+    with pytest.warns(UserWarning, match=r"model\.calls went from 0 to 1 while the step "
                                          r"was traced.*register_buffer\('calls'") as got:
         for _ in range(3):
             tr.step(x, y)
-    assert [w.filename for w in got if "went up by one" in str(w.message)] == [__file__]
+    assert [w.filename for w in got if "went from" in str(w.message)] == [__file__]
     assert int(model.seen) == 3 and model.calls == 1
+
+
+def test_a_queue_position_kept_in_python_warns(s2):
+    """A ring buffer's position in a Python attribute, set in the forward (``self.ptr
+    = (self.ptr + B) % K``, first made there with ``hasattr``): only the trace moved
+    it, so every step wrote the same slot of the queue, silently; the warning was for
+    counts that went up by exactly one."""
+    class Queue(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.register_buffer("queue", torch.zeros(4, 32))
+
+        def forward(self, x):
+            out = self.net(x)
+            if not hasattr(self, "ptr"):
+                self.ptr = 0
+            self.queue[:, self.ptr:self.ptr + 8] = out.detach().T
+            self.ptr = (self.ptr + 8) % 32
+            return out
+
+    model = Queue()
+    tr = trainer(model, adam(model), s2)
+    with pytest.warns(UserWarning, match=r"model\.ptr was set to 8 while the step was "
+                                         r"traced.*register_buffer\('ptr'"):
+        for x, y in batches(2):
+            tr.step(x, y)
 
 
 @pytest.mark.parametrize("how", ["clear", "assign_empty", "zero_moments"])

@@ -118,7 +118,7 @@ class Attributes:
         self.record()
 
     def record(self) -> None:
-        slots, dicts, held = [], [], set()
+        slots, dicts, held, prefixes = [], [], set(), []
         fakes = leaks._fake_types()
         # tensors torch's older reparametrizations recompute in each forward (weight_norm)
         hooked = {(id(m), name) for m, name, _ in leaks._reparametrized(self.model)}
@@ -129,6 +129,7 @@ class Attributes:
             for name, m in module.named_modules():
                 d = m.__dict__
                 dicts.append(d)
+                prefixes.append(f"{root}.{name}" if name else root)
                 for k, v in d.items():
                     if k in _INTERNAL:
                         continue
@@ -142,17 +143,21 @@ class Attributes:
                         held.add(id(v))
                         inner = vars(v)
                         dicts.append(inner)
+                        prefixes.append(None)
                         slots += [(inner, k2, f"{path}.{k2}") for k2, v2 in inner.items()
                                   if _plain(v2)]
                 if root == "loss_fn":           # its weights are constants of the step
                     for kind in ("_parameters", "_buffers"):
                         table = d[kind]
                         dicts.append(table)
+                        prefixes.append(None)
                         slots += [(table, k, f"loss_fn.{name + '.' if name else ''}{k}")
                                   for k in table]
         cells = list(_outside_reads(self.model, self.loss_fn))
         self.slots, self.dicts, self.cells = slots, dicts, cells
         self.sizes = [len(d) for d in dicts]
+        self.keys = [set(d) if prefix else None for d, prefix in zip(dicts, prefixes)]
+        self.prefixes = prefixes
         self.values = [d.get(k, _MISSING) for d, k, _ in slots]
         self.cell_values = [get() for get, _ in cells]
 
@@ -169,11 +174,18 @@ class Attributes:
             return ["an attribute added or deleted"]
         return [path for path, v, x in self._now() if not _same(x, v)]
 
-    def counted(self) -> List[str]:
-        """Integer attributes one more than at record: a counter the forward bumps
-        (``self.calls += 1``), which only the trace ran."""
-        return [path for (d, k, path), v in zip(self.slots, self.values)
-                if type(v) is int and type(d.get(k)) is int and d.get(k) == v + 1]
+    def counted(self) -> List[Tuple[str, int, int]]:
+        """Integer attributes changed since record, with their values then and now,
+        when only a trace ran since: what the forward updates in Python (a call count,
+        ``self.calls += 1``; a ring buffer's position, ``self.ptr = (self.ptr + B) %
+        K``), which only the trace ran."""
+        out = [(path, v, d.get(k)) for (d, k, path), v in zip(self.slots, self.values)
+               if type(v) is int and type(d.get(k)) is int and d.get(k) != v]
+        for d, keys, prefix in zip(self.dicts, self.keys, self.prefixes):
+            if prefix is not None and len(d) != len(keys):       # set in the forward
+                out += [(f"{prefix}.{k}", None, v) for k, v in list(d.items())
+                        if k not in keys and type(v) is int]
+        return out
 
     def note(self, paths: List[str]) -> None:
         """Count the values each changed attribute has taken; warn at ``WARN_AT``."""
@@ -300,17 +312,19 @@ def after_call(tr) -> None:
     n = _traces(tr)
     if n != a.traces:
         warned = tr._watch.warned
-        for path in a.counted():
+        for path, old, now in a.counted():
             if f"count:{path}" not in warned:
                 warned.add(f"count:{path}")
                 attr = path.rsplit('.', 1)[-1]
+                how = f"was set to {now}" if old is None else f"went from {old} to {now}"
                 warn_at_caller(
-                    f"pw.Trainer: {path} went up by one while the step was traced: "
-                    "the forward counts in a Python attribute, which runs only while "
-                    "tracing, so later steps leave it as it is (in torch every forward "
-                    f"counts). Keep the count in a buffer (self.register_buffer("
-                    f"{attr!r}, torch.tensor(0)), then self.{attr} += 1 in the "
-                    "forward): the step updates it every call", UserWarning)
+                    f"pw.Trainer: {path} {how} while the step was "
+                    "traced: the forward updates a Python attribute (a count, a "
+                    "position in a queue), which runs only while tracing, so later steps "
+                    "leave it as it is (in torch every forward updates it). Keep it in a "
+                    f"buffer (self.register_buffer({attr!r}, torch.tensor({old or 0})), then "
+                    f"self.{attr} += 1 or self.{attr}.copy_(...) in the forward, indexing "
+                    "with the tensor): the step updates it every call", UserWarning)
         leaks.check(tr)           # a traced tensor kept by the script's Python
         a.record()
         a.traces = n
