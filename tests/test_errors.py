@@ -57,6 +57,30 @@ def test_item_inside_a_program(s):
     still_works(s)
 
 
+def test_numpy_a_format_string_and_sparse_tensors_in_a_program_say_what_to_do(s):
+    """``t.numpy()`` and ``f"{t:.3f}"`` (logging in a forward) failed with the fake
+    tensor's own words (".numpy() is not supported for tensor subclasses", "unsupported
+    format string passed to FakeTensor.__format__"), and a sparse adjacency in a step
+    with a dispatcher dump that blamed pathways_torch."""
+    def as_numpy(x):
+        return x * float(x.numpy().sum())
+
+    def logged(x):
+        print(f"mean {x.mean():.3f}")
+        return x * 2
+    a = pw.put(torch.ones(4, 4), s)
+    with pytest.raises(pw.DataDependentError, match=r"Tensor\.numpy\(\)\), at "
+                                                    r"test_errors\.py:\d+: return x \* float"):
+        pw.program(as_numpy)(a)
+    with pytest.raises(pw.DataDependentError, match=r"a format string.*at test_errors\.py"):
+        pw.program(logged)(a)
+    from pathways_torch.client import capture
+    err = capture._user_error("step", "", NotImplementedError(
+        "Could not run 'aten::t_copy' with arguments from the 'SparseCPU' backend"))
+    assert isinstance(err, pw.TraceError) and "index_add_" in str(err)
+    still_works(s)
+
+
 def test_a_read_in_torchs_own_code_is_named_by_torchs_line():
     """A value read inside torch's modules, with no line of the user's around it (a
     module of torch.nn called by another), names torch's line rather than nothing."""

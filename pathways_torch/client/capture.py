@@ -344,6 +344,13 @@ def _quiet(logger: str):
         log.setLevel(old)
 
 
+def _sparse(name: str, where: str = "") -> TraceError:
+    return TraceError(
+        f"program '{name}' uses a sparse tensor{where}, which XLA does not compute: "
+        "aggregate with dense ops instead (a graph's messages with index_add_ or "
+        "scatter_add over an edge list, or a dense adjacency matrix)")
+
+
 def _user_error(name: str, sig: str, e: BaseException) -> PathwaysError:
     """The PathwaysError for an exception raised while the user's function ran."""
     from torch._subclasses.fake_tensor import (DataDependentOutputException,
@@ -358,6 +365,13 @@ def _user_error(name: str, sig: str, e: BaseException) -> PathwaysError:
             f"program '{name}' uses {e.func}, which has no shape function in torch, so it "
             "cannot be traced without running it; compute it outside the program")
     text = str(e)
+    if ".numpy() is not supported for tensor subclasses" in text:
+        return _data_dependent(name, "Tensor.numpy()", _user_line(e))
+    if "format string passed to FakeTensor.__format__" in text:
+        return _data_dependent(
+            name, "a format string, f'{t:.3f}', which prints its value", _user_line(e))
+    if "Could not run" in text and "Sparse" in text:
+        return _sparse(name, _user_line(e))
     if isinstance(e, NotImplementedError) and "Generator" in text:
         return TraceError(
             f"program '{name}' draws random numbers with a torch.Generator of its own "
@@ -441,6 +455,8 @@ def _graph(fn: Callable, name: str, sig: str, fakes: list, build_args,
                      tracing_mode="fake", decomposition_table=table,
                      _allow_non_fake_inputs=True)(*fakes)
     except Exception as e:
+        if "Could not run" in str(e) and "Sparse" in str(e):
+            raise _sparse(name) from e
         raise TraceError(f"functionalizing program '{name}' failed: {type(e).__name__}: "
                          f"{e}\n{_REPORT}") from e
     info["mutations"] = _lift_input_mutations(gm)
