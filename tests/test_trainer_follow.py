@@ -1195,3 +1195,31 @@ def test_a_forward_that_assigns_data_is_refused_with_the_in_place_form(s2):
     with pytest.raises(pw.TraceError, match=r"assigns \.data of k\.weight, k\.bias.*"
                                             r"pk\.mul_\(m\)\.add_"):
         tr.step(*batches(1)[0])
+
+
+def test_two_parameters_over_one_storage_are_refused_with_how_to_tie_them(s2):
+    """``head.weight = nn.Parameter(emb.weight)``: torch updates the one storage through
+    both parameters, the workers held two Arrays and trained them apart (losses 1% off
+    by step 3, silently). Refused; parameters over disjoint parts of one storage (views
+    of one flat tensor) train as torch trains them."""
+    def tied(how):
+        model = mlp()
+        if how == "parameter":
+            model[4].weight = nn.Parameter(model[2].weight[:4])
+        else:
+            model[4].weight.data = model[2].weight.data[4:8]
+        return model
+    for how in ("parameter", "data"):
+        model = tied(how)
+        with pytest.raises(pw.PathwaysError, match=r"'2\.weight' and '4\.weight' are two "
+                                                   r"Parameters over one storage.*model\.4\.weight = model\.2\.weight"):
+            trainer(model, adam(model), s2)
+
+    def views(seed=0):
+        model = mlp(seed)
+        with torch.no_grad():
+            flat = torch.cat([model[0].weight.reshape(-1), model[0].bias])
+        model[0].weight = nn.Parameter(flat[:128].view(16, 8))
+        model[0].bias = nn.Parameter(flat[128:])
+        return model
+    ref, got, _ = both(adam, model=views, s=s2)

@@ -490,10 +490,12 @@ def _refuse_captured_writes(gm, name: str) -> None:
                 raise TraceError(
                     f"program '{name}' writes in place ({op}) into a tensor it does not "
                     "take as an argument, one its function closes over: a module's "
-                    "buffer (BatchNorm's running statistics in train mode) or a global "
-                    "tensor. Pass that tensor as an argument (a program updates its "
-                    "arguments in place, as torch does), train the module with "
-                    "pw.Trainer, or call model.eval() for inference")
+                    "buffer (BatchNorm's running statistics in train mode), a buffer of a "
+                    "pw.Trainer's loss_fn module (a running count), or a global tensor. "
+                    "Pass that tensor as an argument (a program updates its arguments in "
+                    "place, as torch does); train the module with pw.Trainer, or call "
+                    "model.eval() for inference; a loss_fn's buffer: register it on the "
+                    "model, whose buffers each step updates in place")
 
 
 def register_dataclasses(value, depth: int = 0) -> None:

@@ -30,7 +30,7 @@ import json
 import os
 import sys
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -192,6 +192,7 @@ class Trainer:
                 "the optimizer holds none of the model's parameters: build it from "
                 "model.parameters() of the same model you pass to pw.Trainer")
         _refuse_outside_parameters(optimizer, named, loss_fn)
+        _refuse_shared_storage(named)
         self._groups = [[n for n in self._group_of if self._group_of[n] == gi]
                         for gi in range(len(optimizer.param_groups))]
         fixed = {n: p for n, p in named.items() if n not in self._group_of}
@@ -1065,6 +1066,31 @@ class _Schedulers:
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         for sch, one in zip(self.schedulers, sd["schedulers"]):
             sch.load_state_dict(one)
+
+
+def _refuse_shared_storage(named: Dict[str, torch.Tensor]) -> None:
+    """Two parameter objects over one storage (``head.weight = nn.Parameter(
+    emb.weight)``, or ``head.weight.data = emb.weight.data``): torch's optimizer updates
+    the storage through both, each with its own gradient, so they stay one tensor. The
+    workers hold each parameter as its own Array, which would untie them, silently:
+    refused, saying how to tie them as torch ties modules."""
+    seen: Dict[int, List[Tuple[int, int, str]]] = {}
+    for n, p in named.items():
+        if p.numel() == 0 or p.device.type != "cpu":
+            continue
+        start = p.data_ptr()
+        end = start + p.numel() * p.element_size()   # (a slice's elements lie within)
+        others = seen.setdefault(p.untyped_storage().data_ptr(), [])
+        hit = next((o for a, b, o in others if a < end and start < b), None)
+        others.append((start, end, n))
+        if hit is not None:
+            raise PathwaysError(
+                f"parameters {hit!r} and {n!r} are two Parameters over one storage "
+                "(nn.Parameter(other.weight), or .data assigned from another parameter): "
+                "torch updates that storage through both, and pw.Trainer would train them "
+                f"apart. Tie them as one Parameter (model.{n} = model.{hit}, which "
+                "torch and pw.Trainer train as one, its gradients summed), or give the "
+                "second its own copy (.clone())")
 
 
 def _outside_trace(what: str) -> None:
