@@ -1223,3 +1223,25 @@ def test_two_parameters_over_one_storage_are_refused_with_how_to_tie_them(s2):
         model[0].bias = nn.Parameter(flat[128:])
         return model
     ref, got, _ = both(adam, model=views, s=s2)
+
+
+def test_evaluate_and_predict_see_the_parameters_flags(s2):
+    """A forward that reads ``p.requires_grad`` (a frozen-backbone switch) saw False
+    for every parameter in evaluate and predict, whose programs run under no_grad, and
+    took the other branch; torch's eval under no_grad keeps the flags."""
+    class Switch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            out = self.net(x)
+            return out * 2 if self.net[0].weight.requires_grad else out
+
+    model = Switch()
+    tr = trainer(model, adam(model), s2)
+    x, y = batches(1)[0]
+    with torch.no_grad():
+        want = model(x)
+    torch.testing.assert_close(tr.predict(x).torch(), want)
+    torch.testing.assert_close(float(tr.evaluate(x, y)), float(F.cross_entropy(want, y)))

@@ -518,6 +518,7 @@ def clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
 def make_eval_fn(model, loss_fn, options: Options):
     """The loss in eval mode: no dropout, BatchNorm's running statistics, no update."""
     def evaluate(params, fixed, inputs, targets):
+        requires_grad(params, {})   # as the module's own: a forward may read the flag
         with mode(model, False), torch.no_grad(), reparametrized(model, {**params, **fixed}):
             return returned(*forward_loss(model, loss_fn, options, inputs, targets))
     return evaluate
@@ -527,6 +528,7 @@ def make_predict_fn(model, options: Options):
     """The model's outputs in eval mode (any pytree: tensors, tuples, dicts,
     Hugging Face ModelOutputs)."""
     def predict(params, fixed, inputs):
+        requires_grad(params, {})
         with mode(model, False), torch.no_grad(), autocast(options), \
                 reparametrized(model, {**params, **fixed}):
             return call_model(model, inputs)
