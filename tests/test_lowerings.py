@@ -673,7 +673,8 @@ def test_half_precision_kernels_compute_in_float32_and_round_once_like_torch(s1,
     rounds once; torch_xla lowered them as several operations on the half type, each
     rounding (and rounded leaky_relu's slope). Before stop 37, 10-70% of the elements
     were one ulp off in bfloat16.
-    Now every element is equal."""
+    Now every element is equal (at most 1 in 1,000 an ulp apart: torch's kernels
+    differ between CPUs)."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(4096, generator=g).to(dtype), torch.randn(4096, generator=g).to(dtype)
     dtypes, near = OPMATH_NEAR.get(case, ((), None))
@@ -687,7 +688,13 @@ def test_half_precision_kernels_compute_in_float32_and_round_once_like_torch(s1,
     if near:
         torch.testing.assert_close(got, want)       # the dtype's tolerance
     else:
-        assert torch.equal(got, want), f"{(got != want).sum().item()} of {want.numel()} differ"
+        # torch's own half-precision kernels differ between CPUs: on this AMD machine
+        # (no AVX-512) its float16 linear rounded 2 of 4,096 products otherwise than on
+        # the Intel one where every element was equal; the rounding this test guards
+        # against put 10-70% of the elements an ulp off
+        differ = (got != want).sum().item()
+        assert differ <= want.numel() // 1000, f"{differ} of {want.numel()} differ"
+        torch.testing.assert_close(got, want)
 
 
 def _conv_grads(x, w):
@@ -726,7 +733,11 @@ def test_float16_products_accumulate_in_float32_like_torch(s1, case):
     err = (got.double() - exact).abs().mean().item()
     theirs = (want.double() - exact).abs().mean().item()
     differ = (got != want).float().mean().item()
-    assert err <= 1.01 * theirs and differ <= 0.01, (err, theirs, differ)
+    # where torch's kernel is itself further from the exact result (its float16
+    # convolution gradients on this AMD machine: 0.0063 against 0.0036 here), its
+    # elements are not the float32 sums' and need not be equal
+    assert err <= 1.01 * theirs and (differ <= 0.01 or err < 0.9 * theirs), \
+        (err, theirs, differ)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32,
