@@ -1245,3 +1245,25 @@ def test_evaluate_and_predict_see_the_parameters_flags(s2):
         want = model(x)
     torch.testing.assert_close(tr.predict(x).torch(), want)
     torch.testing.assert_close(float(tr.evaluate(x, y)), float(F.cross_entropy(want, y)))
+
+
+def test_a_parameter_predict_changes_in_place_is_read_back(s2):
+    """``nn.Embedding(max_norm=1)`` renorms the rows it looks up, in place, in eval
+    and under no_grad too: predict did so on the workers, but the module kept its rows
+    as before (it was not marked stale), so reading it after predict gave other
+    numbers than torch's module."""
+    def emb(seed=0):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Embedding(10, 6, max_norm=1.0), nn.Flatten(),
+                             nn.Linear(18, 4))
+    ref, got = emb(), emb()
+    with torch.no_grad():
+        ref[0].weight.mul_(5)
+        got[0].weight.mul_(5)
+    tr = trainer(got, adam(got), s2)
+    ids = torch.tensor([[1, 2, 3], [3, 4, 5]])
+    ref.eval()
+    with torch.no_grad():
+        want = ref(ids)
+    torch.testing.assert_close(tr.predict(ids).torch(), want)
+    torch.testing.assert_close(got[0].weight.detach(), ref[0].weight.detach())

@@ -581,14 +581,16 @@ class Trainer:
             follow.after_call(self)
 
     def _buffer_ids(self) -> Dict[str, Optional[int]]:
-        return {n: a._id for n, a in self.fixed[0].items()}
+        return {n: a._id for n, a in {**self.replicas[0], **self.fixed[0]}.items()}
 
     def _buffers_updated(self, before: Dict[str, Optional[int]]) -> None:
         """After ``evaluate``/``predict``: a forward that updates a buffer in eval mode
-        (a call counter, a cache) wrote it back on the workers, so the module's copy is
-        stale: a read of the module then fetches it, as after a step. The optimizer's
-        state did not change."""
-        if any(a._id != before.get(n) for n, a in self.fixed[0].items()):
+        (a call counter, a cache), or a parameter (an embedding's ``max_norm`` renorms
+        the rows it looks up, in place), wrote it back on the workers, so the module's
+        copy is stale: a read of the module then fetches it, as after a step. The
+        optimizer's state did not change."""
+        if any(a._id != before.get(n)
+               for n, a in {**self.replicas[0], **self.fixed[0]}.items()):
             optimizer_current = self._opt_synced == self._version
             self._version += 1
             if optimizer_current:
