@@ -277,6 +277,21 @@ def test_a_call_under_autocast_is_traced_under_it(s4, device):
     torch.testing.assert_close(again.torch(), torch.relu(x @ w), atol=1e-5, rtol=1e-5)
 
 
+def test_autocast_xla_and_cpu_around_a_call_give_the_same_numbers(s4):
+    """The trace applies torch.autocast("xla") as CPU autocast, and the graph holds its
+    casts; the replay on the XLA device ran under the user's "xla" autocast too, which
+    cast the float32 bias path of a linear layer to bfloat16 again (4.7e-3 off)."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    fn = pw.program(lambda x: mlp(x))
+    x = pw.put(torch.randn(8, 16), s4)
+    outs = {}
+    for device in ("cpu", "xla"):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            outs[device] = fn(x).torch()
+    assert torch.equal(outs["cpu"], outs["xla"])
+
+
 # ---------------------------------------------------------------------- mutation
 
 def test_in_place_updates_of_inputs_are_written_back(s4):

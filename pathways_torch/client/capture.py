@@ -844,7 +844,10 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         xm.set_rng_state(_SEED_SENTINEL, device=dev)
         before = _executions()
         try:
-            with torch.no_grad():
+            # the graph holds the casts of the user's autocast already; one active
+            # around the call (torch.autocast("xla")) would cast them again
+            with torch.no_grad(), torch.autocast(dev.type, enabled=False), \
+                    torch.autocast("cpu", enabled=False):
                 outs = _Replay(gm, dev).run(*placeholders)
         except PathwaysError:
             raise
