@@ -299,3 +299,41 @@ def test_static_arguments_must_be_plain_values(s):
 def test_array_cannot_be_used_as_bool(s):
     with pytest.raises(TypeError, match="item"):
         bool(pw.put(torch.ones(1), s))
+
+
+def test_a_torch_xla_loops_habits_on_an_array_say_what_to_do(s):
+    """``loss.to("cpu")`` reads the value as torch_xla's loops do; ``loss.to(float64)``
+    failed with an AttributeError from inside the runtime, and ``val < best``,
+    ``running += loss``, ``loss / 4`` with Python's bare "unsupported operand"."""
+    a = pw.put(torch.tensor(2.5), s)
+    assert torch.equal(a.to("cpu"), torch.tensor(2.5))
+    assert torch.equal(a.to(torch.device("cpu")), torch.tensor(2.5))
+    with pytest.raises(TypeError, match="takes a pw.Slice.*inside a @pw.program"):
+        a.to(torch.float64)
+    for habit in (lambda: a < 3.0, lambda: sum([a, a]), lambda: a / 4, lambda: -a,
+                  lambda: min(1.0, a), lambda: round(a)):
+        with pytest.raises(TypeError, match=r"would block for its value: use a\.item\(\)"):
+            habit()
+    running = 0.0
+    with pytest.raises(TypeError, match="would block"):
+        running += a
+    still_works(s)
+
+
+def test_process_collectives_and_the_xla_device_in_a_program_say_what_to_do(s):
+    """A DistributedDataParallel wrapper's buffer broadcast ("c10d.broadcast_ ... has
+    no shape function") and ``torch.zeros(..., device=xm.xla_device())`` in a forward
+    ("Unhandled FakeTensor Device Propagation") gave torch's words, not pathways'."""
+    import torch_xla.core.xla_model as xm
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+
+    def on_xla(x):
+        return x + torch.zeros(4, device=xm.xla_device())
+    with pytest.raises(pw.TraceError, match=r"makes a tensor on the XLA device.*"
+                                            r"device=x\.device"):
+        pw.program(on_xla)(pw.put(torch.ones(4), s))
+    from pathways_torch.client import capture
+    err = capture._user_error("train_step", "", UnsupportedOperatorException(
+        torch.ops.c10d.broadcast_.default))
+    assert isinstance(err, pw.TraceError) and "model.module" in str(err)
+    still_works(s)

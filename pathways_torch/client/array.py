@@ -138,6 +138,13 @@ class Array:
         and islands), never through the client; the call returns at once and the move
         starts as soon as this Array's producer finishes.
         """
+        if isinstance(slice_, (str, torch.device)) and torch.device(slice_).type == "cpu":
+            return self.torch()         # loss.to("cpu"), as a torch_xla script reads it
+        if isinstance(slice_, (str, torch.device, torch.dtype)):
+            raise TypeError(
+                f"pw.Array.to takes a pw.Slice (and a spec), not {slice_!r}: read it with "
+                ".to('cpu') / .torch(), cast it inside a @pw.program, or move it to "
+                "another slice with .to(other_slice, spec)")
         self._check_usable()
         runtime.check_alive(slice_)
         spec = as_spec(spec)
@@ -173,6 +180,22 @@ class Array:
     def __ne__(self, other):
         eq = self.__eq__(other)
         return eq if eq is NotImplemented else not eq
+
+    def _arithmetic(self, *_):
+        """``val_loss < best``, ``running += loss``, ``loss / 4``: a torch_xla loop's
+        lazy tensor arithmetic. An Array is a future of a device buffer; this would
+        block for its value, so it says what to do (rather than Python's bare
+        "unsupported operand")."""
+        raise TypeError(
+            "arithmetic and ordering on a pw.Array would block for its value: use "
+            "a.item() or float(a) (a number: best = min(best, loss.item())), a.torch() "
+            "(a tensor), or compute inside a @pw.program")
+
+    __lt__ = __le__ = __gt__ = __ge__ = _arithmetic
+    __add__ = __radd__ = __iadd__ = __sub__ = __rsub__ = __isub__ = _arithmetic
+    __mul__ = __rmul__ = __imul__ = __truediv__ = __rtruediv__ = __itruediv__ = _arithmetic
+    __floordiv__ = __rfloordiv__ = __pow__ = __rpow__ = __neg__ = __abs__ = _arithmetic
+    __round__ = _arithmetic
 
     __hash__ = object.__hash__
 

@@ -362,6 +362,20 @@ def _user_error(name: str, sig: str, e: BaseException) -> PathwaysError:
         op = getattr(e, "func", None)
         short = getattr(op, "_opname", "") or str(op)
         return _data_dependent(name, _VALUE_READS.get(short, f"aten.{short}"), _user_line(e))
+    if isinstance(e, UnsupportedOperatorException) and "c10d" in str(e.func):
+        return TraceError(
+            f"program '{name}' calls torch.distributed's {e.func}: a "
+            "collective between processes, which a program cannot run (one client "
+            "drives every device). A DistributedDataParallel wrapper broadcasts its "
+            "buffers so (broadcast_buffers=True, its default): pass pw.Trainer the "
+            "module itself (model.module), with parallelism=pw.DataParallel, which "
+            "averages the gradients over the slice's devices as DDP does")
+    if "two different devices" in str(e) and "xla" in str(e):
+        return TraceError(
+            f"program '{name}' makes a tensor on the XLA device{_user_line(e)} "
+            "(device=xm.xla_device() or torch_xla.device(), or .to() of it): a "
+            "program's tensors live on its slice, traced on the CPU. Make them like "
+            "the inputs (device=x.device, torch.zeros_like(x)) or without device=")
     if isinstance(e, UnsupportedOperatorException):
         return TraceError(
             f"program '{name}' uses {e.func}, which has no shape function in torch, so it "

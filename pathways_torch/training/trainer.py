@@ -107,6 +107,7 @@ class Trainer:
                  seed: Optional[int] = None, ema=None,
                  scaler: Optional["torch.amp.GradScaler"] = None) -> None:
         model = _uncompiled(model)
+        _refuse_process_wrappers(model)
         reads.sync_others(model, follow._WATCHES)    # a Trainer before this one on it
         # this Trainer starts from the optimizer's state as of now; it takes a later
         # step's state from another Trainer that shares the optimizer (follow.py)
@@ -1070,6 +1071,23 @@ class _Schedulers:
             sch.load_state_dict(one)
 
 
+def _refuse_process_wrappers(model: torch.nn.Module) -> None:
+    """torch's FullyShardedDataParallel (FSDP1) gathers its flat parameters with
+    collectives between processes, which a traced step cannot run: refused at once,
+    saying what pw does instead (it failed in the trace with an assertion about the
+    meta device). DistributedDataParallel without collectives in its forward runs."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    except ImportError:         # a torch without torch.distributed
+        return
+    if any(isinstance(m, TorchFSDP) for m in model.modules()):
+        raise PathwaysError(
+            "the model is wrapped in torch's FullyShardedDataParallel, whose collectives "
+            "between processes cannot run in a traced step: pass pw.Trainer the plain "
+            "module (before wrapping), with parallelism=pw.FullyShardedDataParallel "
+            "(pw.FSDP), which shards it over the slice's devices")
+
+
 def _refuse_shared_storage(named: Dict[str, torch.Tensor]) -> None:
     """Two parameter objects over one storage (``head.weight = nn.Parameter(
     emb.weight)``, or ``head.weight.data = emb.weight.data``): torch's optimizer updates
@@ -1080,6 +1098,12 @@ def _refuse_shared_storage(named: Dict[str, torch.Tensor]) -> None:
     for n, p in named.items():
         if p.numel() == 0 or p.device.type != "cpu":
             continue
+        if type(p.data) is not torch.Tensor:        # a DTensor: torch's fully_shard
+            raise PathwaysError(
+                f"parameter {n!r} is a {type(p.data).__name__} (torch's fully_shard or "
+                "another distributed wrapper sharded it): pass pw.Trainer the plain "
+                "module, before sharding it; parallelism=pw.FullyShardedDataParallel "
+                "(pw.FSDP) shards it over the slice's devices")
         start = p.data_ptr()
         end = start + p.numel() * p.element_size()   # (a slice's elements lie within)
         others = seen.setdefault(p.untyped_storage().data_ptr(), [])
