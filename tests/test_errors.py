@@ -337,3 +337,13 @@ def test_process_collectives_and_the_xla_device_in_a_program_say_what_to_do(s):
         torch.ops.c10d.broadcast_.default))
     assert isinstance(err, pw.TraceError) and "model.module" in str(err)
     still_works(s)
+
+
+def test_hugging_faces_layerdrop_gets_the_config_to_change():
+    """BART's ``if dropout_probability < self.layerdrop`` (a torch.rand draw read in
+    Python) said to use torch.where, which a user cannot do inside a library."""
+    from pathways_torch.client.capture import _data_dependent
+    err = _data_dependent("train_step_BartForCausalLM", "aten._local_scalar_dense",
+                          ", at modeling_bart.py:657: if dropout_probability < "
+                          "self.layerdrop:")
+    assert "decoder_layerdrop) to 0.0" in str(err)

@@ -152,7 +152,11 @@ def value_print(t: torch.Tensor) -> int:
 
 def _data_dependent(name: str, what: str, where: str = "") -> DataDependentError:
     hint = ""
-    if "one_hot(" in where and "num_classes" not in where:
+    if "layerdrop" in where.lower():
+        hint = (" Hugging Face's LayerDrop decides in Python, on a random tensor, whether "
+                "to run each layer: set the model's config.*layerdrop (encoder_layerdrop, "
+                "decoder_layerdrop) to 0.0 for training here.")
+    elif "one_hot(" in where and "num_classes" not in where:
         hint = " F.one_hot without num_classes reads the largest class: pass num_classes=."
     elif "_pack_padded_sequence" in what:
         hint = (" A PackedSequence is as long as the lengths add up to: give the RNN the "
