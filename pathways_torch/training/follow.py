@@ -43,7 +43,7 @@ import types
 import warnings
 import weakref
 import zlib
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -174,7 +174,7 @@ class Attributes:
             return ["an attribute added or deleted"]
         return [path for path, v, x in self._now() if not _same(x, v)]
 
-    def counted(self) -> List[Tuple[str, int, int]]:
+    def counted(self) -> List[Tuple[str, Optional[int], int]]:
         """Integer attributes changed since record, with their values then and now,
         when only a trace ran since: what the forward updates in Python (a call count,
         ``self.calls += 1``; a ring buffer's position, ``self.ptr = (self.ptr + B) %

@@ -1076,11 +1076,8 @@ def _refuse_process_wrappers(model: torch.nn.Module) -> None:
     collectives between processes, which a traced step cannot run: refused at once,
     saying what pw does instead (it failed in the trace with an assertion about the
     meta device). DistributedDataParallel without collectives in its forward runs."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-    except ImportError:         # a torch without torch.distributed
-        return
-    if any(isinstance(m, TorchFSDP) for m in model.modules()):
+    if any(type(m).__name__ == "FullyShardedDataParallel" and
+           type(m).__module__.startswith("torch.distributed") for m in model.modules()):
         raise PathwaysError(
             "the model is wrapped in torch's FullyShardedDataParallel, whose collectives "
             "between processes cannot run in a traced step: pass pw.Trainer the plain "
