@@ -177,7 +177,11 @@ def test_multi_island_ema_equals_update_parameters(islands):
     assert tr._synced != tr._version            # the weights never came back
     got = ema.state_dict()
     for k, v in want.state_dict().items():
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-5,
+        # AdamW divides a near-zero gradient by its own size: the islands' halves,
+        # averaged in another order than the whole batch's sum, moved one element of
+        # 1,024 by 3.8e-5 on an AMD machine (also at the commit before this test's
+        # tolerance); the averaging itself is exact
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-4,
                                    msg=lambda m, k=k: f"{k}: {m}")
     assert int(ema.n_averaged) == 4
 
