@@ -3,6 +3,7 @@ middle of ``Trainer.fit``, the embedded cluster restarts it, the Trainer rebuild
 slice on the replacement, reloads the last checkpoint and goes on with the same numbers.
 """
 
+import glob
 import os
 import signal
 
@@ -264,8 +265,12 @@ def test_host_loader_workers_die_with_their_executor(cluster):
 def test_the_local_cluster_restarts_a_dead_worker_a_bounded_number_of_times():
     with LocalCluster(devices_per_host=1, max_restarts=1, restart_backoff=0.1) as c:
         first = c.worker_pid(0)
+        first_tmp = c._workers[(0, 0)].proc._pw_tmp
+        # the agent's arbiter socket is in its own TMPDIR, which a SIGKILL cannot remove
+        assert glob.glob(os.path.join(first_tmp, "pathways-arb-*", "arbiter.sock"))
         os.kill(first, signal.SIGKILL)
         _until(lambda: len(c.restarts) == 1)
+        assert not os.path.exists(first_tmp)        # the cluster removed it
         second = c.worker_pid(0)
         assert second != first and c.restarts[0].exit_code == -signal.SIGKILL
         os.kill(second, signal.SIGKILL)             # while it is still starting up
@@ -273,6 +278,7 @@ def test_the_local_cluster_restarts_a_dead_worker_a_bounded_number_of_times():
         assert len(c.restarts) == 1 and c.worker_pid(0) == second
         pids = set(c.pids()) | {first, second}
     assert wait_gone(pids) == []
+    assert not os.path.exists(c.rundir)
 
 
 def _until(cond, timeout=30.0):
@@ -281,3 +287,20 @@ def _until(cond, timeout=30.0):
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_a_dead_clients_cluster_tmpdir_is_removed_by_the_next_cluster():
+    import subprocess
+    import tempfile
+    from pathways_torch.client import cluster
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                    # a pid no process has now
+    orphan = tempfile.mkdtemp(prefix=f"{cluster._RUNDIR_PREFIX}{dead.pid}-")
+    open(os.path.join(orphan, "arbiter.sock"), "w").close()
+    alive = tempfile.mkdtemp(prefix=f"{cluster._RUNDIR_PREFIX}{os.getppid()}-")
+    try:
+        cluster._remove_orphan_rundirs()
+        assert not os.path.exists(orphan)
+        assert os.path.isdir(alive)                # its client still runs
+    finally:
+        os.rmdir(alive)

@@ -156,6 +156,11 @@ class LocalCluster:
         self.memory_budget = memory_budget or default_budget(islands * hosts_per_island)
         self.procs: List[subprocess.Popen] = []
         self.logdir = tempfile.mkdtemp(prefix="pathways-")
+        # Each process's TMPDIR, a folder of this one, removed when the process is
+        # replaced and at stop: a killed worker cannot remove its own (its arbiter's
+        # socket, torch's and the loaders' temporary files).
+        _remove_orphan_rundirs()
+        self.rundir = tempfile.mkdtemp(prefix=f"{_RUNDIR_PREFIX}{os.getpid()}-")
         self.address = ""
         base_env = dict(os.environ)
         base_env.setdefault("PJRT_DEVICE", "CPU")
@@ -176,11 +181,14 @@ class LocalCluster:
 
     def _spawn(self, args: List[str], env: dict, log_name: str, append: bool = False,
                **kw) -> subprocess.Popen:
+        tmp = tempfile.mkdtemp(prefix=log_name.split(".")[0] + "-", dir=self.rundir)
         with open(os.path.join(self.logdir, log_name), "ab" if append else "wb") as f:
             p = subprocess.Popen(
                 [sys.executable, "-m"] + args + ["--parent-pid", str(os.getpid())],
-                env=env, stdin=subprocess.DEVNULL, stderr=f, start_new_session=True, **kw)
+                env=dict(env, TMPDIR=tmp), stdin=subprocess.DEVNULL, stderr=f,
+                start_new_session=True, **kw)
         p._pw_log = f.name  # type: ignore[attr-defined]
+        p._pw_tmp = tmp  # type: ignore[attr-defined]
         if not append:
             self.procs.append(p)
         return p
@@ -244,6 +252,7 @@ class LocalCluster:
             # The dead worker's executors and zygote die with it (parent-death signal);
             # make sure of it before a replacement comes.
             _signal_group(w.proc.pid, signal.SIGKILL)
+            shutil.rmtree(w.proc._pw_tmp, ignore_errors=True)  # type: ignore[attr-defined]
             if w.restarts >= self.max_restarts:
                 w.gave_up = True
                 log.error("worker island %d host %d exited with code %s; it was restarted "
@@ -328,6 +337,7 @@ class LocalCluster:
                 pass
             if p.stdout is not None:
                 p.stdout.close()
+        shutil.rmtree(self.rundir, ignore_errors=True)
         if not (keep_logs or os.environ.get("PATHWAYS_KEEP_LOGS")):
             shutil.rmtree(self.logdir, ignore_errors=True)
 
@@ -336,6 +346,29 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+_RUNDIR_PREFIX = "pathways-tmp-"
+
+
+def _remove_orphan_rundirs() -> None:
+    """Remove the TMPDIR folders of local clusters whose client died without stopping
+    them (killed, or the machine's Python crashed): named by the client's pid, gone."""
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_RUNDIR_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_RUNDIR_PREFIX):].split("-")[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:             # alive (another user's): not ours to remove
+            pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:

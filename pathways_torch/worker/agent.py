@@ -503,6 +503,7 @@ def serve(args: argparse.Namespace) -> None:
                        getattr(args, "reregister_timeout", 0.0))
     if not session.first_registration():
         zygote.stop()
+        arbiter.close()
         _proc.remove_torch_tempdir()
         os._exit(session.ended if session.ended is not None else 1)
     threading.Thread(target=session.hold, name="coordinator-session", daemon=True).start()
