@@ -181,7 +181,8 @@ class LocalCluster:
 
     def _spawn(self, args: List[str], env: dict, log_name: str, append: bool = False,
                **kw) -> subprocess.Popen:
-        tmp = tempfile.mkdtemp(prefix=log_name.split(".")[0] + "-", dir=self.rundir)
+        tmp = tempfile.mkdtemp(prefix=log_name.split(".")[0].replace("worker-", "") + "-",
+                               dir=self.rundir)
         with open(os.path.join(self.logdir, log_name), "ab" if append else "wb") as f:
             p = subprocess.Popen(
                 [sys.executable, "-m"] + args + ["--parent-pid", str(os.getpid())],

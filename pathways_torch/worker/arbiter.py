@@ -91,7 +91,11 @@ class ShareArbiter:
     """Serves grants on a Unix socket; one program runs on the host's devices at a time."""
 
     def __init__(self) -> None:
-        self.path = os.path.join(tempfile.mkdtemp(prefix="pathways-arb-"), "arbiter.sock")
+        folder = tempfile.mkdtemp(prefix="pathways-arb-")
+        if len(folder) > 90:        # a Unix socket's path holds at most 107 bytes
+            os.rmdir(folder)
+            folder = tempfile.mkdtemp(prefix="pathways-arb-", dir="/tmp")
+        self.path = os.path.join(folder, "arbiter.sock")
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._srv.bind(self.path)
         self._srv.listen(64)
