@@ -120,6 +120,8 @@ class Traced:
         its version counter moved, or its values (a write through ``.data`` or a numpy
         view, which the counter misses: a target network's Polyak update
         ``tp.data.mul_(1 - tau).add_(tau * p.data)``)."""
+        if not self.sources:            # the common case, on every call
+            return False
         if self.keep is not None:
             self.keep()
         return any(t._version != v for t, v in self.sources) or any(
@@ -908,5 +910,15 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
                  if c.numel() else b"")
     return Traced(name, hlo, params, constants, out_avals, info["tree"], info["statics"],
                   h.hexdigest()[:24], mutations, rng, len(out_avals) - n_out, sources,
-                  (keeps[0] if len(keeps) == 1 else
-                   (lambda: [k() for k in keeps] and None)) if keeps else None, prints)
+                  _each(keeps), prints)
+
+
+def _each(fns: List[Callable[[], None]]) -> Optional[Callable[[], None]]:
+    """One function calling every one of ``fns`` (KEEPERS' answers), or None."""
+    if len(fns) <= 1:
+        return fns[0] if fns else None
+
+    def each() -> None:
+        for f in fns:
+            f()
+    return each
