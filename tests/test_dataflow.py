@@ -364,3 +364,31 @@ def test_after_a_wait_over_several_slices_completion_arrives_unasked(slices):
     moved = affine(ya.to(b))
     moved.wait()
     torch.testing.assert_close(moved.torch(), (xs[0] * 2 + 1) * 2 + 1, rtol=1e-5, atol=1e-5)
+
+
+def test_shm_files_of_a_writer_killed_mid_transfer_are_removed_by_the_next_agent():
+    import subprocess
+    from pathways_torch.worker import dataplane
+    if dataplane.SHM_DIR is None:
+        pytest.skip("no /dev/shm on this machine")
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                      # a pid no process has now
+    tag = os.urandom(4).hex()
+    paths = {k: os.path.join(dataplane.SHM_DIR, f"pw-{pid}-1-{tag}{k}")
+             for k, pid in (("orphan", dead.pid), ("fresh", dead.pid),
+                            ("alive", os.getpid()))}
+    for p in paths.values():
+        with open(p, "wb") as f:
+            f.write(b"x" * 8)
+    old = time.time() - 120
+    os.utime(paths["orphan"], (old, old))
+    os.utime(paths["alive"], (old, old))
+    try:
+        assert dataplane.remove_orphan_shm(older_than_s=60.0) >= 1
+        assert not os.path.exists(paths["orphan"])
+        assert os.path.exists(paths["fresh"])        # its reader may be about to map it
+        assert os.path.exists(paths["alive"])        # its writer still runs
+    finally:
+        for p in paths.values():
+            if os.path.exists(p):
+                os.unlink(p)

@@ -467,6 +467,8 @@ def serve(args: argparse.Namespace) -> None:
     grpc_util.apply_tls_arguments(args)
     if getattr(args, "parent_pid", 0):
         _proc.die_with_parent(args.parent_pid)
+    from .dataplane import remove_orphan_shm
+    remove_orphan_shm()         # left by processes of this host killed mid-transfer
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     from .devices import device_kind
     kind = device_kind()

@@ -170,6 +170,37 @@ def _close_payload(arrival: "Arrival") -> None:
         arrival.payload.close()
 
 
+def remove_orphan_shm(older_than_s: float = 60.0) -> int:
+    """Unlink /dev/shm files of the data plane whose writer died before their reader
+    mapped them (a process killed mid-transfer): a reader maps its file as it arrives,
+    so a file older than ``older_than_s`` whose writer pid is gone is nobody's. Each
+    holds a whole payload (a 64 MiB put is 64 MiB of memory until unlinked). Returns
+    how many were removed. Called when a host agent starts."""
+    if SHM_DIR is None:
+        return 0
+    removed, now = 0, time.time()
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith("pw-")]
+    except OSError:
+        return 0
+    for name in names:
+        pid = name.split("-")[1]
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if not pid.isdigit() or now - os.stat(path).st_mtime < older_than_s:
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                pass
+        except OSError:
+            pass
+    return removed
+
+
 class DataPlane:
     """Listens for incoming transfers and sends outgoing ones (a small thread pool)."""
 
