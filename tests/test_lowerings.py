@@ -1056,6 +1056,49 @@ def test_an_embedding_bag_model_trains_like_torch(s1):
     torch.testing.assert_close(model.bag.weight, ref.bag.weight, atol=TOL, rtol=TOL)
 
 
+def test_searchsorted_puts_nan_where_torch_does(s1):
+    """A missing feature stored as NaN goes past every boundary, and boundaries with
+    NaN at their end (as torch.sort leaves them) give torch's binary search's places
+    (stop 43: a NaN value went to bucket 0)."""
+    nan = float("nan")
+    cases = [(torch.tensor([0., 1., 2.]), torch.tensor([nan, 1., -1., 5., 2.])),
+             (torch.tensor([0., 1., 2., nan, nan]), torch.tensor([nan, 1., -1., 5., 2.])),
+             (torch.tensor([[0., 1., 2.], [0.5, nan, nan]]), torch.tensor([[nan, 1.], [.7, .2]])),
+             (torch.arange(37.), torch.linspace(-2, 40, 97)),
+             (torch.tensor([1, 3, 5]), torch.tensor([0, 3, 9]))]
+    for b, v in cases:
+        for right in (False, True):
+            want = torch.searchsorted(b, v, right=right)
+            got = pw.program(lambda b, v: torch.searchsorted(b, v, right=right))(
+                pw.put(b, s1), pw.put(v, s1)).torch()
+            assert torch.equal(got, want), (b, v, right, got, want)
+        if b.dim() == 1:
+            got = pw.program(lambda b, v: torch.bucketize(v, b))(
+                pw.put(b, s1), pw.put(v, s1)).torch()
+            assert torch.equal(got, torch.bucketize(v, b))
+
+
+def test_embedding_bags_of_a_batch_split_between_islands_keep_their_offsets(s1):
+    """Offsets count from the first (a MultiIsland half of one id per bag keeps the
+    global offsets [4, 5, 6, 7]: every bag came out empty), and many bags cost
+    O(ids + bags), not a [bags, ids, dim] mask."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(13, 6, generator=g)
+    ids, offs = torch.randint(0, 13, (8,), generator=g), torch.arange(8)
+    for mode in ("sum", "mean", "max"):
+        got = pw.program(lambda w, i, o: F.embedding_bag(i, w, o, mode=mode))(
+            pw.put(w, s1), pw.put(ids[4:], s1), pw.put(offs[4:], s1)).torch()
+        torch.testing.assert_close(got, F.embedding_bag(ids[4:], w, offs[4:] - 4, mode=mode))
+    ids = torch.randint(0, 13, (5000,), generator=g)
+    offs = torch.sort(torch.randint(0, 5000, (512,), generator=g)).values
+    offs[0] = 0
+    for mode in ("sum", "mean", "max"):
+        got = pw.program(lambda w, i, o: F.embedding_bag(i, w, o, mode=mode))(
+            pw.put(w, s1), pw.put(ids, s1), pw.put(offs, s1)).torch()
+        torch.testing.assert_close(got, F.embedding_bag(ids, w, offs, mode=mode),
+                                   atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
                                    torch.float64], ids=str)
 def test_floor_division_of_floats_equals_torch(s1, dtype):

@@ -724,16 +724,27 @@ def solve_triangular(a: torch.Tensor, b: torch.Tensor, *, upper: bool, left: boo
 
 def searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None,
                  sorter=None):
-    """The insertion points as counts of the boundaries before each value: O(n x
-    boundaries), static shapes."""
+    """torch's binary search, step for step on every value at once: ``bit_length(n)``
+    rounds of a gather and a comparison (O(values x log boundaries), static shapes).
+    The same steps give torch's places for NaN: a NaN value past every boundary, and
+    values among the NaNs that sorting put at the end where torch's search lands."""
     if sorter is not None:
         sorted_sequence = sorted_sequence.gather(-1, sorter)
     right = right or side == "right"
-    # 1-d: one set of boundaries for every value; else one row per leading index
-    b = sorted_sequence if sorted_sequence.dim() == 1 else sorted_sequence.unsqueeze(-2)
-    v = values.unsqueeze(-1)
-    before = (b <= v) if right else (b < v)
-    return before.sum(-1).to(torch.int32 if out_int32 else torch.int64)
+    n = sorted_sequence.shape[-1]
+    start = torch.zeros(values.shape, dtype=torch.int64, device=values.device)
+    end = torch.full(values.shape, n, dtype=torch.int64, device=values.device)
+    for _ in range(n.bit_length()):
+        mid = (start + end) // 2
+        at = mid.clamp(max=max(n - 1, 0))
+        # 1-d: one set of boundaries for every value; else one row per leading index
+        b = sorted_sequence[at] if sorted_sequence.dim() == 1 else \
+            sorted_sequence.gather(-1, at)
+        past = ~(b > values) if right else ~(b >= values)
+        busy = start < end
+        start = torch.where(busy & past, mid + 1, start)
+        end = torch.where(busy & ~past, mid, end)
+    return start.to(torch.int32 if out_int32 else torch.int64)
 
 
 def _round_to(x: float, dtype: torch.dtype):
@@ -1604,11 +1615,16 @@ def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"
 def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,
                   scale_grad_by_freq=False, mode="mean", sparse=False,
                   per_sample_weights=None, include_last_offset=False, padding_idx=None):
-    """F.embedding_bag (torch_xla has no ``_embedding_bag``) as a lookup and a masked
-    reduction: a bag is a row of a 2-d ``input``, or the run of a 1-d ``input`` between
-    two ``offsets`` (the membership is a comparison with the offsets, so its shape is
-    static). ``padding_idx`` entries count in no bag; an empty bag gives zeros; a
-    sparse gradient is dense, as for ``nn.Embedding(sparse=True)``."""
+    """F.embedding_bag (torch_xla has no ``_embedding_bag``) as a lookup and a
+    reduction per bag: a bag is a row of a 2-d ``input``, or the run of a 1-d ``input``
+    between two ``offsets``, reduced by a scatter over each position's bag (its number
+    a cumulative sum of the offsets' marks: O(ids + bags), static shapes).
+    ``padding_idx`` entries count in no bag; an empty bag gives zeros; a sparse
+    gradient is dense, as for ``nn.Embedding(sparse=True)``. Offsets count from the
+    first one: a batch cut into parts (MultiIsland's halves, a pipeline's
+    micro-batches) keeps its offsets, which torch would refuse in a part that does not
+    start at 0. Half-precision bags add up in float32 and round once, as torch's
+    kernel does (a mean divides the rounded sum, as torch's does)."""
     import torch.nn.functional as F
     if mode not in ("sum", "mean", "max"):
         raise ValueError(f"embedding_bag: mode must be 'sum', 'mean' or 'max', not {mode!r}")
@@ -1617,39 +1633,60 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,
             "embedding_bag: per_sample_weights was not None. per_sample_weights is only "
             f"supported for mode='sum' (got mode='{mode}'). Please open a feature request "
             "on GitHub.")
+    if input.dim() == 1 and offsets is None:
+        raise ValueError("offsets has to be a 1D Tensor but got None (a 1-d input is "
+                         "cut into bags at offsets; a 2-d input is one bag a row)")
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]      # as F.embedding_bag counts it (-1: the last row)
     emb = F.embedding(input, weight, None, max_norm, norm_type, scale_grad_by_freq)
+    dtype = emb.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        emb = emb.float()
     keep = (input != padding_idx) if padding_idx is not None else torch.ones_like(
         input, dtype=torch.bool)
+    if per_sample_weights is not None:
+        emb = emb * per_sample_weights.to(emb.dtype).unsqueeze(-1)
     if input.dim() == 2:
         if offsets is not None:
             raise ValueError("embedding_bag: if input is 2-D, offsets has to be None, as "
                              "input is treated is a mini-batch of fixed length sequences.")
-        member = keep                                         # [bags, n]
-        rows = emb                                            # [bags, n, dim]
-    else:
-        n = input.shape[0]
-        bags = offsets.shape[0] - (1 if include_last_offset else 0)
-        starts = offsets[:bags].to(torch.int64)
-        ends = (offsets[1:bags + 1].to(torch.int64) if include_last_offset else
-                torch.cat([offsets[1:bags].to(torch.int64),
-                           torch.full((1,), n, dtype=torch.int64, device=input.device)]))
-        at = torch.arange(n, device=input.device)
-        member = (at >= starts[:, None]) & (at < ends[:, None]) & keep    # [bags, n]
-        rows = emb.unsqueeze(0).expand(bags, n, emb.shape[-1])
-        if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.unsqueeze(0)
-    w = member.to(emb.dtype)
+        if mode == "max":
+            out = emb.masked_fill(~keep.unsqueeze(-1), float("-inf")).amax(-2)
+            out = torch.where(keep.any(-1, keepdim=True), out, torch.zeros_like(out))
+        else:
+            out = (emb * keep.unsqueeze(-1).to(emb.dtype)).sum(-2).to(dtype)
+            if mode == "mean":
+                out = out / keep.sum(-1, keepdim=True).clamp(min=1).to(dtype)
+        return out.to(dtype)
+    n, dim = input.shape[0], emb.shape[-1]
+    bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    if bags <= 0:
+        return emb.new_zeros(0, dim).to(dtype)
+    offs = offsets.to(torch.int64)
+    offs = offs - offs[:1]
+    at = torch.arange(n, device=input.device)
+    # bag of each position: how many bag starts lie at or before it, less one
+    marks = torch.zeros(n + 1, dtype=torch.int64, device=input.device).index_add(
+        0, offs[:bags].clamp(0, n), torch.ones(bags, dtype=torch.int64, device=input.device))
+    bag = marks.cumsum(0)[:n] - 1
+    inside = keep & (bag >= 0)
+    if include_last_offset:
+        inside = inside & (at < offs[bags])
+    bag = bag.clamp(0, max(bags - 1, 0))
+    counts = torch.zeros(bags, dtype=emb.dtype, device=input.device).index_add(
+        0, bag, inside.to(emb.dtype))
     if mode == "max":
-        out = rows.masked_fill(~member.unsqueeze(-1), float("-inf")).amax(-2)
-        return torch.where(member.any(-1, keepdim=True), out, torch.zeros_like(out))
-    if per_sample_weights is not None:
-        w = w * per_sample_weights.to(emb.dtype)
-    total = (rows * w.unsqueeze(-1)).sum(-2)
-    if mode == "sum":
-        return total
-    return total / member.sum(-1, keepdim=True).clamp(min=1).to(emb.dtype)
+        vals = emb.masked_fill(~inside.unsqueeze(-1), float("-inf"))
+        out = torch.full((bags, dim), float("-inf"), dtype=emb.dtype,
+                         device=input.device).scatter_reduce(
+            0, bag.unsqueeze(-1).expand(n, dim), vals, "amax", include_self=True)
+        out = torch.where((counts > 0).unsqueeze(-1), out, torch.zeros_like(out))
+        return out.to(dtype)
+    out = torch.zeros(bags, dim, dtype=emb.dtype, device=input.device).index_add(
+        0, bag, emb * inside.unsqueeze(-1).to(emb.dtype)).to(dtype)
+    if mode == "mean":         # the sum rounded, then divided: torch's rounding
+        out = out / counts.clamp(min=1).unsqueeze(-1).to(dtype)
+    return out
 
 
 def above_autograd() -> Dict[Callable, Callable]:
