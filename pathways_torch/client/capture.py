@@ -509,6 +509,11 @@ def _refuse_captured_writes(gm, name: str) -> None:
                 value = value.args[0]
             if value.op == "get_attr":
                 op = node.target.name().replace("aten::", "torch.")
+                renorm = (" An nn.Embedding with max_norm= renormalises the rows it "
+                          "looks up in its weight, in place, at every forward (in eval "
+                          "mode and under no_grad too): pass the weight as an argument "
+                          "(F.embedding(ids, weight, max_norm=...)) or use a pw.Trainer's "
+                          "predict()." if op == "torch.mul_.Tensor" else "")
                 raise TraceError(
                     f"program '{name}' writes in place ({op}) into a tensor it does not "
                     "take as an argument, one its function closes over: a module's "
@@ -517,7 +522,7 @@ def _refuse_captured_writes(gm, name: str) -> None:
                     "Pass that tensor as an argument (a program updates its arguments in "
                     "place, as torch does); train the module with pw.Trainer, or call "
                     "model.eval() for inference; a loss_fn's buffer: register it on the "
-                    "model, whose buffers each step updates in place")
+                    "model, whose buffers each step updates in place." + renorm)
 
 
 def register_dataclasses(value, depth: int = 0) -> None:
