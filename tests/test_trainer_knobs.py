@@ -595,6 +595,33 @@ def test_accumulate_equals_one_step_on_the_concatenated_batch(s2, strat):
     assert opt.param_groups[0]["lr"] == pytest.approx(2e-2 * 0.5 ** updates)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_step_that_fails_before_it_runs_leaves_the_count_as_it_was(s2, k):
+    """A loop that catches a bad batch's error and goes on (stop 43): the failed call
+    had counted a micro-step, so with k=1 no later step was an update to the client
+    (the scheduler froze, module reads stopped syncing) and with k=2 the updates were
+    cut at other micro-batches. torch's loop never saw that batch."""
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    make_sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+    model, data = mlp(), batches(4 * k, batch=4, seed=6)
+    ref = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    tr = pw.Trainer(model, opt, F.cross_entropy, slice=s2, accumulate=k,
+                    scheduler=make_sched(opt))
+    for i, (x, y) in enumerate(data):
+        if i == 1:
+            with pytest.raises(pw.ShapeError):
+                tr.step(x, y[:3])                   # one label short
+        tr.step(x, y)
+    assert tr.steps == 4 and tr.micro == 0
+    ref_opt = make_opt(ref.parameters())
+    big = [(torch.cat([x for x, _ in data[u * k:(u + 1) * k]]),
+            torch.cat([y for _, y in data[u * k:(u + 1) * k]])) for u in range(4)]
+    torch_train(ref, ref_opt, big, scheduler=make_sched(ref_opt))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 4)
+    assert_same_model(model, ref)                   # a read of the module syncs it
+
+
 @pytest.mark.parametrize("how", ["save", "state_dict"])
 def test_a_resume_mid_accumulation_keeps_the_schedule_and_the_summed_gradients(
         s2, tmp_path, how):

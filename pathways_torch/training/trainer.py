@@ -513,8 +513,10 @@ class Trainer:
             loss = multi_island_step(self, inputs, targets, lrs, hyper)
         else:
             k = self.options.accumulate
-            self.micro += 1
-            last = self.micro == k
+            # counted once the step is queued: a step that fails before (a trace error,
+            # a wrong batch, Ctrl-C while tracing) leaves the count, as torch's would
+            micro = self.micro + 1
+            last = micro == k
             s = self.slices[0]
             axis = getattr(self.parallelism, "batch_axis", None)
             key = "train_step" if k == 1 else ("accum_update" if last else "accumulate")
@@ -526,11 +528,11 @@ class Trainer:
             loss, created = prog(self.replicas[0], self.fixed[0], self.states[0],
                                  self.acc[0], lrs, _place_batch(inputs, s, axis),
                                  _place_batch(targets, s, axis), hyper, self._scaler)
+            self.micro = 0 if last else micro
             self._store_created(0, created)
             self._advance(pending)
             if not last:
                 return loss
-            self.micro = 0
         self.steps += 1
         self._version += 1
         self._step_clock = self._state_clock = follow.tick()
