@@ -18,9 +18,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 from types import ModuleType
-from typing import Callable, List
+from typing import Callable, Iterator, List
 
 
 _IMPORTED: List[ModuleType] = []
@@ -36,10 +39,36 @@ def import_torch_xla() -> ModuleType:
         return _IMPORTED[0]
     with _IMPORT_LOCK:
         if not _IMPORTED:
-            import torch_xla
-            _restore_torch_nn()
-            _IMPORTED.append(torch_xla)
+            with _ctrl_c_after():
+                import torch_xla
+                _restore_torch_nn()
+                _IMPORTED.append(torch_xla)
     return _IMPORTED[0]
+
+
+@contextlib.contextmanager
+def _ctrl_c_after() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that comes during the block until it ends, then deliver it
+    as it would have been. torch_xla's import runs for seconds on a program's first
+    call; interrupted half-way it stays half-initialised in ``sys.modules`` (sympy
+    under it too), and every later trace failed ("module 'sympy' has no attribute
+    'printing'") until the process restarted. Only the main thread receives signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: List[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if held:
+        if old is signal.default_int_handler:
+            raise KeyboardInterrupt
+        if callable(old):
+            old(signal.SIGINT, None)
+        elif old == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 def _restore_torch_nn() -> None:

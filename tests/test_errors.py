@@ -1,5 +1,7 @@
 """Every user error is typed, says what to do, and leaves the cluster usable."""
 
+import os
+
 import pytest
 import torch
 
@@ -347,3 +349,30 @@ def test_hugging_faces_layerdrop_gets_the_config_to_change():
                           ", at modeling_bart.py:657: if dropout_probability < "
                           "self.layerdrop:")
     assert "decoder_layerdrop) to 0.0" in str(err)
+
+
+def test_ctrl_c_during_the_first_traces_torch_xla_import_leaves_the_session_usable():
+    """Ctrl-C while the first program call imports torch_xla (seconds): the interrupt
+    comes once the import is done, and the next call works. Before, torch_xla stayed
+    half-imported and every later call failed until the process restarted (stop 43)."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent("""
+        import os, signal, threading
+        import torch
+        from pathways_torch._xla import import_torch_xla
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            import_torch_xla()
+            print("NOT INTERRUPTED")
+        except KeyboardInterrupt:
+            print("INTERRUPTED")
+        import_torch_xla()
+        import torch_xla
+        print("VALUE", (torch.ones(2, device=torch_xla.device()) + 1).cpu().tolist())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PJRT_DEVICE="CPU"))
+    assert out.stdout.splitlines() == ["INTERRUPTED", "VALUE [2.0, 2.0]"], \
+        out.stdout + out.stderr[-2000:]
