@@ -3,6 +3,7 @@ Trainer's module holds its trained values after pw.shutdown()."""
 
 import copy
 
+import pytest
 import torch
 
 import pathways_torch as pw
@@ -51,3 +52,40 @@ def test_shutdown_copies_the_trained_values_into_the_module():
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(saved[k], v, rtol=1e-5, atol=1e-5)
     assert tr._closed
+
+
+def test_releasing_a_trainers_slice_copies_its_values_and_a_new_trainer_goes_on():
+    """A notebook re-runs its training cell: ``s.release()`` (as the ResourceExhausted
+    error says), a new slice, a new Trainer on the same model and optimizer (stop 43:
+    every read of the module raised ClusterShutdownError until the old Trainer was
+    garbage collected, and its steps were lost)."""
+    pw.init(devices_per_host=2, timeout=120)
+    try:
+        g = torch.Generator().manual_seed(2)
+        data = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
+                for _ in range(3)]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 4))
+        ref = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        s = pw.slice((2,), axis_names=("data",))
+        tr = pw.Trainer(model, opt, torch.nn.functional.cross_entropy, slice=s)
+        for x, y in data[:2]:
+            tr.step(x, y)
+        s.release()
+        with pytest.raises(pw.ClusterShutdownError, match="new pw.Trainer"):
+            tr.step(*data[2])
+        s = pw.slice((2,), axis_names=("data",))
+        tr = pw.Trainer(model, opt, torch.nn.functional.cross_entropy, slice=s)
+        tr.step(*data[2])
+        tr.sync_to()
+    finally:
+        pw.shutdown()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    for x, y in data:
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-5)

@@ -107,7 +107,23 @@ class Slice:
         return self.mesh_shape[self.axis_names.index(name)]
 
     def release(self) -> None:
-        """Free the slice's devices; its Arrays become unusable."""
+        """Free the slice's devices; its Arrays become unusable. A ``pw.Trainer`` on
+        the slice first copies its trained values into its module and optimizer (as at
+        ``pw.shutdown()``), so the module can train on under a new slice."""
+        if self._conn.closed:
+            return
+        for ref in list(_BEFORE_RELEASE):
+            method = ref()
+            if method is not None:
+                try:
+                    method(self)
+                except Exception as e:      # released regardless
+                    warnings.warn(f"before releasing {self}: {e}", RuntimeWarning,
+                                  stacklevel=2)
+        self._release()
+
+    def _release(self) -> None:
+        """``release`` without the Trainers' copy (their slices replaced after a loss)."""
         if self._conn.closed:
             return
         prof = self._state.profile
@@ -475,6 +491,16 @@ def before_shutdown(method) -> None:
     """Have ``shutdown()`` call ``method()`` first (held weakly)."""
     _BEFORE_SHUTDOWN[:] = [r for r in _BEFORE_SHUTDOWN if r() is not None]
     _BEFORE_SHUTDOWN.append(weakref.WeakMethod(method))
+
+
+#: run by ``Slice.release()`` first, with the slice: weak references to bound methods
+_BEFORE_RELEASE: List["weakref.WeakMethod"] = []
+
+
+def before_release(method) -> None:
+    """Have ``Slice.release()`` call ``method(slice)`` first (held weakly)."""
+    _BEFORE_RELEASE[:] = [r for r in _BEFORE_RELEASE if r() is not None]
+    _BEFORE_RELEASE.append(weakref.WeakMethod(method))
 
 
 def shutdown() -> None:

@@ -354,7 +354,7 @@ def _resume(trainer: "Trainer", lost: Exception, failed_at: int, ckpts: _Checkpo
     step, path, info = ckpts.latest()
     old = list(trainer.slices)
     for s in old:
-        s.release()
+        s._release()                # no copy of the trained values: a worker is lost
     deadline = t0 + wait_timeout
     new: list = []
     try:

@@ -45,7 +45,7 @@ from ..client.checkpoint import entries as checkpoint_entries, load_arrays, save
 from ..client import runtime, torch_paths
 from ..client.program import Program
 from ..client.rng import SeedStream
-from ..errors import PathwaysError, TraceError, warn_at_caller
+from ..errors import ClusterShutdownError, PathwaysError, TraceError, warn_at_caller
 from ..parallel.strategies import (DataParallel, MultiIsland, Pipeline, TensorParallel,
                                    mesh_sizes)
 from ..sharding import P, validate_spec
@@ -275,6 +275,7 @@ class Trainer:
         # an AveragedModel of the model, updated on the workers after every update
         self._ema = ema_mod.Averaged(self, ema) if ema is not None else None
         runtime.before_shutdown(self._sync_before_shutdown)
+        runtime.before_release(self._sync_before_release)
 
     # ------------------------------------------------------------------ layout helpers
     def _place(self, slices) -> None:
@@ -448,6 +449,7 @@ class Trainer:
         optimizer update (and the scheduler's step) happens on every k-th call.
         """
         _outside_trace("step")
+        self._check_open()
         # a step computes its own gradients: traced with them on even when called
         # inside an evaluation loop's torch.no_grad() or inference_mode()
         with torch.inference_mode(False), torch.enable_grad():
@@ -550,6 +552,7 @@ class Trainer:
         statistics, no gradients, no update), as a ``pw.Array`` at once (or loss_fn's
         whole result, as ``step`` returns it)."""
         _outside_trace("evaluate")
+        self._check_open()
         inputs, targets = plain_batch(inputs), plain_batch(targets)
         follow.follow(self)
         buffers = self._buffer_ids()
@@ -570,6 +573,7 @@ class Trainer:
         """The model's outputs on a batch in eval mode, as ``pw.Array``s in the
         model's output structure (a tensor, a tuple, a dict, a ModelOutput)."""
         _outside_trace("predict")
+        self._check_open()
         inputs = plain_batch(inputs)
         follow.follow(self)
         buffers = self._buffer_ids()
@@ -789,6 +793,18 @@ class Trainer:
         if stale and not self._closed and not torch.compiler.is_compiling():
             follow.follow(self)     # a change of the stale module raises, not lost
             self._sync(None, optimizer=optimizer)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClusterShutdownError(
+                "this pw.Trainer's slice was released or its cluster shut down; its "
+                "trained values were copied into its module and optimizer first. Build "
+                "a new pw.Trainer on a new slice to train on")
+
+    def _sync_before_release(self, s) -> None:
+        """One of this Trainer's slices is released: as before ``pw.shutdown()``."""
+        if not self._closed and any(x is s for x in self.slices):
+            self._sync_before_shutdown()
 
     @reads.internal
     def _sync_before_shutdown(self) -> None:
