@@ -144,6 +144,38 @@ def test_draws_from_pythons_or_numpys_generator_while_traced_warn_with_the_line(
     assert (random.random.__name__, np.random.rand.__name__) == ("random", "rand")  # restored
 
 
+_NP_RNG = __import__("numpy").random.default_rng(0)
+_randint = __import__("random").randint          # `from random import randint`, at import
+
+
+class _SpecAugment(torch.nn.Module):
+    """Masks a band of features picked with a generator object of the module."""
+
+    def __init__(self, how):
+        super().__init__()
+        import random
+        self.how, self.rng = how, random.Random(0)
+
+    def forward(self, x):
+        x = x.clone()
+        f0 = {"module's random.Random": lambda: self.rng.randint(0, 3),
+              "global numpy Generator": lambda: int(_NP_RNG.integers(0, 4)),
+              "from random import randint": lambda: _randint(0, 3)}[self.how]()
+        x[:, f0] = 0
+        return x
+
+
+@pytest.mark.parametrize("how", ["module's random.Random", "global numpy Generator",
+                                 "from random import randint"])
+def test_draws_from_generator_objects_while_traced_warn(s4, how):
+    """``random.Random(0)``, ``np.random.default_rng(0)`` and ``from random import
+    randint`` are no module-level function to watch (stop 43: a SpecAugment's mask
+    was frozen into the step without a word); their state moved during the trace."""
+    m = _SpecAugment(how)
+    with pytest.warns(UserWarning, match=r"drew random numbers .*a generator object"):
+        pw.program(lambda x: m(x))(pw.put(torch.ones(8, 4), s4, P("data"))).wait()
+
+
 def test_normal_and_integer_draws(s4):
     @pw.program
     def draws(x):

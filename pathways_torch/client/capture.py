@@ -832,8 +832,11 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
             fakes = [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in in_avals]
         del mode
         torch_rng = torch.random.get_rng_state()
+        rngs = hostrng.generators(fn)
         with hostrng.watch() as draws:
             gm, info = _graph(fn, name, sig, fakes, build_args, dev)
+        if not draws:           # (a draw watch() saw moves a global generator too)
+            draws = [f"a generator object, {n}" for n in hostrng.moved(rngs)]
         if not torch.equal(torch_rng, torch.random.get_rng_state()):
             warn_at_caller(
                 f"program '{name}' seeded or drew from torch's generator while it was "
@@ -844,8 +847,8 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
                 "numbers every call, draw them outside and pass them in", UserWarning)
         if draws:
             warn_at_caller(
-                f"program '{name}' drew random numbers from Python's or numpy's global "
-                f"generator while it was traced ({'; '.join(draws[:4])}): the compiled "
+                f"program '{name}' drew random numbers from Python's or numpy's "
+                f"generators while it was traced ({'; '.join(draws[:4])}): the compiled "
                 "program holds those draws as constants, so every call takes the same "
                 "ones (the same layers dropped, the same positions masked), where torch "
                 "draws anew each step. Draw with torch (torch.rand, torch.randint, "
