@@ -561,3 +561,20 @@ def test_print_report():
     print("\n==== measured worst errors (this run) ====")
     for k in sorted(REPORT):
         print(f"  {k}: {REPORT[k]:.3e}")
+
+
+def test_rfft_dc_and_nyquist_have_no_imaginary_part_and_no_gradient_there():
+    """torch's rfft gives exactly 0 there; float32's sin(pi) is -8.7e-8, which made a
+    complex filter's Nyquist bin drift under Adam (its gradient 1e-11, Adam's step a
+    whole lr) and an STFT's phase there flip by 2*pi (stop 43). The table's angles are
+    reduced in integers, so the quarter points are exact."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g)
+    X = decomposed(lambda t: torch.fft.rfft(t))(x)
+    assert torch.equal(X.imag[:, 0], torch.zeros(3))
+    assert torch.equal(X.imag[:, 32], torch.zeros(3))
+    filt = torch.randn(33, dtype=torch.complex64, generator=g).requires_grad_()
+    run = decomposed(lambda t, f: torch.fft.irfft(torch.fft.rfft(t) * f, n=64).square().sum())
+    run(x, filt).backward()
+    assert filt.grad.imag[0].item() == 0 and filt.grad.imag[32].item() == 0
+    assert filt.grad.imag[1:32].abs().min().item() > 0  # the other bins do get gradients
