@@ -1941,3 +1941,34 @@ def test_a_bfloat16_model_steps_as_torch_bit_for_bit(cluster8, make_opt):
     # the reported mean loss is within one bfloat16 ulp: torch sums a bfloat16 nll_loss
     # in bfloat16 blocks of 16 rows, pathways in float32 (docs/architecture.md, stop 37)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2 ** -7, atol=0)
+
+
+class _PairOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, h.pow(2).mean(-1)             # activations and an auxiliary loss
+
+
+class _PairIn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, inp):
+        h, aux = inp
+        return self.lin(h) + 0.01 * aux.unsqueeze(-1)
+
+
+def test_a_pipeline_stage_that_returns_a_tuple_is_refused_saying_what_to_do(pipe_slices):
+    """A middle stage carrying (hidden, aux_loss) failed with "'tuple' object has no
+    attribute 'detach'" (stop 43)."""
+    model = nn.Sequential(_PairOut(), _PairIn())
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                    parallelism=pw.Pipeline(stages=2, microbatches=2, slices=pipe_slices))
+    x, y = batches(1, batch=4, seed=1)[0]
+    with pytest.raises(pw.TraceError, match="returned tuple, not one tensor.*torch.cat"):
+        tr.step(x, y)

@@ -383,9 +383,29 @@ def _make_stage_fwd(mod, first: bool, model, options):
         stash = _Stash(x, params)
         with stash.hooks(), mode(mod, True, model), _stage(mod, params, fixed), \
                 autocast(options):
-            y = mod(x)
+            y = _one_tensor(mod(x), mod)
         return y.detach(), [t.detach() for t in stash.recorded]
     return stage_fwd
+
+
+def _one_tensor(y, mod):
+    """A stage's output, which goes to the next stage: one tensor."""
+    if isinstance(y, torch.Tensor):
+        return y
+    raise TraceError(
+        f"a pw.Pipeline stage ({type(mod).__name__} of {_layers(mod)}) returned "
+        f"{type(y).__name__}, not one tensor: a pipeline passes one tensor from each "
+        "stage to the next (its activations, and back their gradient). Put what the "
+        "next stage needs into that tensor (torch.cat along the last dimension, "
+        "split again in the next stage), or train with pw.DataParallel or "
+        "pw.FullyShardedDataParallel, which take any outputs. An auxiliary loss of "
+        "a middle stage (a mixture of experts' balance loss) cannot reach the last "
+        "stage's loss_fn otherwise")
+
+
+def _layers(mod) -> str:
+    names = [type(m).__name__ for m in getattr(mod, "children", lambda: [])()]
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "") if names else "it"
 
 
 def _accumulate(acc, names, grads):
@@ -456,18 +476,18 @@ def pipeline_eval(trainer, inputs, targets, outputs: bool = False):
                                                                       True, options))
                 return prog(params, fixed, h, _place_batch(targets, slices[k], axis))
             prog = trainer._program(f"stage{k}_eval",
-                                    _make_stage_eval(mod, None, False, options))
+                                    _make_stage_eval(mod, None, False, options, final))
             h = prog(params, fixed, h, None)
     return h
 
 
-def _make_stage_eval(mod, loss_fn, with_loss: bool, options):
+def _make_stage_eval(mod, loss_fn, with_loss: bool, options, last: bool = True):
     def stage_eval(params, fixed, x, targets):
         with mode(mod, False), torch.no_grad(), _stage(mod, params, fixed), \
                 autocast(options):
             y = mod(x)
             if not with_loss:
-                return y
+                return y if last else _one_tensor(y, mod)
             loss, rest = loss_and_rest(y, targets, loss_fn)
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
