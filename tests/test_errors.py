@@ -319,6 +319,13 @@ def test_a_torch_xla_loops_habits_on_an_array_say_what_to_do(s):
     running = 0.0
     with pytest.raises(TypeError, match="would block"):
         running += a
+    v = pw.put(torch.arange(4.), s)
+    for habit in (lambda: list(v), lambda: [x for x in v], lambda: tuple(v)):
+        with pytest.raises(TypeError, match="iterating over a pw.Array.*a.torch()"):
+            habit()
+    with pytest.raises(TypeError, match="only a 0-d Array formats as a number"):
+        f"{v:.2f}"
+    assert f"{a:.2f}" == "2.50" and f"{v}".startswith("pw.Array(float32[4]")
     still_works(s)
 
 

@@ -204,11 +204,24 @@ class Array:
             raise TypeError("len() of a 0-d pw.Array")     # as torch says for a tensor
         return self.shape[0]
 
+    def __iter__(self):
+        """``for row in a`` / ``a, b = arr`` would fetch the value: said, as arithmetic
+        is (Python's own "not iterable" would read as if len() were wrong too)."""
+        raise TypeError(
+            "iterating over a pw.Array would block for its value: iterate over "
+            "a.torch() (a tensor), or index inside a @pw.program")
+
     def __format__(self, spec: str) -> str:
         """``f"{loss:.4f}"`` of a 0-d Array formats its value, as for a 0-d tensor (it
-        blocks until the value exists); other Arrays format as their repr."""
+        blocks until the value exists); other Arrays format as their repr (with a
+        number's format spec, refused: a tensor refuses it too)."""
         if spec and not self.shape:
             return format(self.item(), spec)
+        if spec and spec[-1:] in "eEfFgGn%d":
+            raise TypeError(
+                f"format spec {spec!r} on a pw.Array of shape {tuple(self.shape)}: only a "
+                "0-d Array formats as a number (a loss); format a.torch().tolist() or "
+                "its elements")
         return format(repr(self), spec)
 
     def __copy__(self) -> "Array":

@@ -160,6 +160,16 @@ def _data_dependent(name: str, what: str, where: str = "") -> DataDependentError
                 "decoder_layerdrop) to 0.0 for training here.")
     elif "one_hot(" in where and "num_classes" not in where:
         hint = " F.one_hot without num_classes reads the largest class: pass num_classes=."
+    elif "bincount" in what or "bincount(" in where:
+        hint = (" bincount's length is the largest value read (minlength= only raises "
+                "it): count into a fixed number of bins with "
+                "F.one_hot(idx, num_classes=n).sum(0), or torch.histc(idx.float(), "
+                "bins=n, min=0, max=n - 1).")
+    elif "istft(" in where:
+        hint = (" torch.istft checks its window's overlap-add on values (NOLA) before "
+                "inverting: invert the frames with torch.fft.irfft and add them back "
+                "with F.fold (and divide by the window's squared overlap-add), or run "
+                "istft on the client on the fetched spectrogram.")
     elif "_pack_padded_sequence" in what:
         hint = (" A PackedSequence is as long as the lengths add up to: give the RNN the "
                 "padded batch, and take each sequence's last output with "
