@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import math
 import os
+import sys
 import threading
 import time
 import warnings
@@ -72,6 +73,7 @@ class Slice:
         self.devices = tuple(Device(d.island, d.host, d.index, d.kind, d.state)
                              for d in reply.devices)
         self.data_address = reply.data_address
+        self._made_at = ""                  # where the script asked for it (file:line)
         #: Bytes of buffers the slice's executor may hold at once (see pw.init).
         self.memory_budget = reply.memory_budget
         self._state = state
@@ -295,17 +297,32 @@ class _State:
             rep = self.stub.AllocateSlice(req, timeout=180)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise ResourceExhaustedError(e.details()) from None
+                raise ResourceExhaustedError(e.details() + self._held_text()) from None
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ShardingError(e.details()) from None
             raise PathwaysError(f"pw.slice failed: {e.details()}") from None
         s = Slice(self, rep, mesh_shape, axis_names)
+        s._made_at = _caller_line()
         with self.lock:
             self.slices.append(s)
         prof = self.profile
         if prof is not None:
             prof._attach(s)
         return s
+
+    def _held_text(self) -> str:
+        """The slices this client holds, for an allocation that found no room: a
+        notebook cell run again (``s = pw.slice(...)``) leaves the first slice
+        allocated, its variable rebound."""
+        with self.lock:
+            held = list(self.slices)
+        if not held:
+            return ""
+        return (". This client holds " + "; ".join(
+            f"{s!r}{' (made at ' + s._made_at + ')' if s._made_at else ''}"
+            for s in held[:8]) + (f" and {len(held) - 8} more" if len(held) > 8 else "")
+            + ": a slice stays allocated until its release() or pw.shutdown(), also "
+            "when its variable is rebound (a cell run again)")
 
     def release_slice(self, s: Slice) -> None:
         with self.lock:
@@ -573,6 +590,15 @@ def slice(mesh_shape: Sequence[int] | int, axis_names: Optional[Sequence[str]] =
             isinstance(a, str) and a for a in axis_names):
         raise ShardingError(f"axis_names {axis_names} must be distinct non-empty strings")
     return state.allocate(mesh_shape, axis_names, island, hosts)
+
+
+def _caller_line() -> str:
+    """'file.py:line' of the innermost frame outside pathways_torch, or ''."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    f = sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(package):
+        f = f.f_back
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f is not None else ""
 
 
 @atexit.register
