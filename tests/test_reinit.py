@@ -24,19 +24,24 @@ def test_a_program_is_compiled_again_for_a_new_cluster():
             pw.shutdown()
 
 
+def _data_and_model(seed: int, steps: int):
+    """Batches of 8 rows, a small MLP and its copy for plain torch."""
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(steps)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4))
+    return data, model, copy.deepcopy(model)
+
+
 def test_shutdown_copies_the_trained_values_into_the_module():
     """A script that trains, calls pw.shutdown() and then saves the model saves the
     trained weights (the workers that held them are gone after shutdown)."""
     pw.init(devices_per_host=2, timeout=120)
     try:
         s = pw.slice((2,), axis_names=("data",))
-        g = torch.Generator().manual_seed(1)
-        data = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
-                for _ in range(2)]
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                    torch.nn.Linear(16, 4))
-        ref = copy.deepcopy(model)
+        data, model, ref = _data_and_model(seed=1, steps=2)
         tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5),
                         torch.nn.functional.cross_entropy, slice=s)
         for x, y in data:
@@ -61,13 +66,7 @@ def test_releasing_a_trainers_slice_copies_its_values_and_a_new_trainer_goes_on(
     garbage collected, and its steps were lost)."""
     pw.init(devices_per_host=2, timeout=120)
     try:
-        g = torch.Generator().manual_seed(2)
-        data = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
-                for _ in range(3)]
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                    torch.nn.Linear(16, 4))
-        ref = copy.deepcopy(model)
+        data, model, ref = _data_and_model(seed=2, steps=3)
         opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
         s = pw.slice((2,), axis_names=("data",))
         tr = pw.Trainer(model, opt, torch.nn.functional.cross_entropy, slice=s)
