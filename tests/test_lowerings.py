@@ -1056,6 +1056,62 @@ def test_an_embedding_bag_model_trains_like_torch(s1):
     torch.testing.assert_close(model.bag.weight, ref.bag.weight, atol=TOL, rtol=TOL)
 
 
+class MaskToken(nn.Module):
+    """BEiT / SimMIM / wav2vec2: masked positions take a learnable token."""
+
+    def __init__(self):
+        super().__init__()
+        self.token = nn.Parameter(torch.randn(8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, mask):
+        x = x.clone()
+        x[mask] = self.token
+        return self.head(x).mean(1)
+
+
+def test_a_learnable_mask_token_assigned_through_a_boolean_mask_trains_like_torch(s1):
+    """``x[mask] = self.token`` with a backward: torch's is ``grad[mask]``, whose
+    length is the mask's count (stop 43: refused as data-dependent, pointing into
+    torch's proxy code); written as a ``where``, the same numbers. Plain masked
+    writes (``y[y < 0] = 0``, a row mask and a row value, an integer tensor) too."""
+    torch.manual_seed(0)
+    ref = MaskToken()
+    model = copy.deepcopy(ref)
+    before = ref.token.detach().clone()
+    g = torch.Generator().manual_seed(1)
+    data = [((torch.randn(4, 5, 8, generator=g), torch.rand(4, 5, generator=g) < 0.4),
+             torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+    want = _torch_losses(torch.optim.SGD(ref.parameters(), lr=0.5),
+                         [lambda x=x, y=y: F.cross_entropy(ref(*x), y) for x, y in data])
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), F.cross_entropy,
+                    slice=s1)
+    got = [float(tr.step(x, y)) for x, y in data]
+    assert got == pytest.approx(want, abs=TOL, rel=TOL)
+    tr.sync_to()
+    torch.testing.assert_close(model.token, ref.token, atol=TOL, rtol=TOL)
+    assert (model.token - before).abs().max() > 1e-3        # the token did train
+
+    def relu(x):
+        y = x.clone()
+        y[y < 0] = 0
+        return y
+
+    def rows(x):
+        y = x.clone()
+        y[x[:, 0] > 0] = torch.arange(6.)
+        return y
+
+    def ints(x):
+        y = x.long()
+        y[x > 0] = 7
+        return y
+
+    x = torch.randn(4, 6, generator=g)
+    for fn in (relu, rows, ints):
+        assert torch.equal(pw.program(fn)(pw.put(x, s1)).torch(), fn(x)), fn.__name__
+
+
 def test_searchsorted_puts_nan_where_torch_does(s1):
     """A missing feature stored as NaN goes past every boundary, and boundaries with
     NaN at their end (as torch.sort leaves them) give torch's binary search's places

@@ -1689,6 +1689,33 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,
     return out
 
 
+def masked_setitem(self, index, value):
+    """``x[mask] = v`` with a boolean mask over x's leading dimensions and a value
+    that broadcasts to one masked element (a learnable mask token: BEiT's and
+    wav2vec2's ``hidden[mask] = self.mask_embed``), as ``where`` written into x: the
+    same numbers, and a backward with static shapes (torch's is ``grad[mask]``, whose
+    length is the mask's count of True). Other indexing goes torch's way."""
+    if not (isinstance(index, torch.Tensor) and index.dtype == torch.bool and
+            0 < index.dim() <= self.dim() and index.shape == self.shape[:index.dim()]):
+        return NotImplemented
+    rest = self.shape[index.dim():]
+    if isinstance(value, torch.Tensor):
+        if value.dim() > len(rest) or value.is_complex() != self.is_complex():
+            return NotImplemented
+        try:
+            torch.broadcast_shapes(value.shape, rest)
+        except RuntimeError:
+            return NotImplemented
+        value = value.to(self.dtype)
+    elif not isinstance(value, (bool, int, float)):
+        return NotImplemented
+    else:
+        value = torch.tensor(value, dtype=self.dtype, device=self.device)
+    mask = index.reshape(index.shape + (1,) * len(rest))
+    self.copy_(torch.where(mask, value, self))
+    return None
+
+
 def above_autograd() -> Dict[Callable, Callable]:
     """{public torch function: formula}, applied while a program is traced."""
     import torch.nn.functional as F
@@ -1718,4 +1745,5 @@ def above_autograd() -> Dict[Callable, Callable]:
         torch.quantile: quantile, torch.Tensor.quantile: quantile,
         F.gaussian_nll_loss: gaussian_nll_loss,
         F.embedding_bag: embedding_bag,
+        torch.Tensor.__setitem__: masked_setitem,
     }
