@@ -24,19 +24,25 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
         os._exit(0)
 
 
+def pid_gone(pid: int) -> bool:
+    """No process has id ``pid`` (one we may not signal, another user's, exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
 def exit_when_gone(pid: int, poll_s: float = 0.5) -> None:
     """Block until process ``pid`` (not our parent) has ended, then exit at once."""
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):    # an old kernel: poll its existence
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                os._exit(1)
-            except PermissionError:
-                pass
+        while not pid_gone(pid):
             time.sleep(poll_s)
+        os._exit(1)
     select.select([fd], [], [])
     os._exit(1)
 

@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 
+from .._proc import pid_gone
 from ..errors import PathwaysError, TimeoutError
 from ..rpc import grpc_util
 from ..rpc import pathways_pb2 as pb
@@ -362,14 +363,8 @@ def _remove_orphan_rundirs() -> None:
         return
     for name in names:
         pid = name[len(_RUNDIR_PREFIX):].split("-")[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if pid.isdigit() and int(pid) != os.getpid() and pid_gone(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        except OSError:             # alive (another user's): not ours to remove
-            pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:

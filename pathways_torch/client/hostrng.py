@@ -110,6 +110,7 @@ def generators(fn) -> list:
     if glob is not None:
         found[id(glob)] = ("numpy.random (from numpy.random import ...)", glob)
     seen: set = set()
+    import torch
 
     def look(values, where: str) -> None:
         for k, v in values:
@@ -120,7 +121,6 @@ def generators(fn) -> list:
         if depth > 3 or id(obj) in seen:
             return
         seen.add(id(obj))
-        import torch
         if isinstance(obj, torch.nn.Module):
             for sub in obj.modules():
                 if id(sub) in seen and sub is not obj:

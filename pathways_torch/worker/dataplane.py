@@ -45,6 +45,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Optional, Tuple
 
+from .._proc import pid_gone
 from ..errors import PathwaysError
 from ..rpc import grpc_util
 
@@ -187,15 +188,10 @@ def remove_orphan_shm(older_than_s: float = 60.0) -> int:
         pid = name.split("-")[1]
         path = os.path.join(SHM_DIR, name)
         try:
-            if not pid.isdigit() or now - os.stat(path).st_mtime < older_than_s:
-                continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            try:
+            if pid.isdigit() and now - os.stat(path).st_mtime >= older_than_s and \
+                    pid_gone(int(pid)):
                 os.unlink(path)
                 removed += 1
-            except OSError:
-                pass
         except OSError:
             pass
     return removed
