@@ -289,18 +289,26 @@ def _until(cond, timeout=30.0):
         time.sleep(0.05)
 
 
-def test_a_dead_clients_cluster_tmpdir_is_removed_by_the_next_cluster():
+@pytest.mark.parametrize("owner", ["cluster", "arbiter"])
+def test_a_dead_processes_tmp_folder_is_removed_by_the_next_one(owner):
+    """A killed client leaves its cluster's TMPDIR, a killed worker started by hand (or
+    by a batch system) its arbiter's socket folder; the next one removes them."""
     import subprocess
     import tempfile
     from pathways_torch.client import cluster
+    from pathways_torch.worker import arbiter
     dead = subprocess.Popen(["true"])
     dead.wait()                                    # a pid no process has now
-    orphan = tempfile.mkdtemp(prefix=f"{cluster._RUNDIR_PREFIX}{dead.pid}-")
+    prefix = cluster._RUNDIR_PREFIX if owner == "cluster" else arbiter._FOLDER_PREFIX
+    orphan = tempfile.mkdtemp(prefix=f"{prefix}{dead.pid}-")
     open(os.path.join(orphan, "arbiter.sock"), "w").close()
-    alive = tempfile.mkdtemp(prefix=f"{cluster._RUNDIR_PREFIX}{os.getppid()}-")
+    alive = tempfile.mkdtemp(prefix=f"{prefix}{os.getppid()}-")
     try:
-        cluster._remove_orphan_rundirs()
+        if owner == "cluster":
+            cluster.remove_orphan_folders(tempfile.gettempdir(), prefix)
+        else:
+            arbiter.ShareArbiter().close()
         assert not os.path.exists(orphan)
-        assert os.path.isdir(alive)                # its client still runs
+        assert os.path.isdir(alive)                # its process still runs
     finally:
         os.rmdir(alive)

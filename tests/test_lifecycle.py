@@ -90,3 +90,47 @@ def test_init_twice_and_again_after_shutdown():
     finally:
         pw.shutdown()
     pw.shutdown()                                    # idempotent
+
+
+_HOLDS_SEMAPHORES = """
+import multiprocessing, sys, time
+q = multiprocessing.get_context("forkserver").Queue()   # named semaphores, a tracker
+print(" ".join(s._semlock.name for s in (q._rlock, q._wlock, q._sem)), flush=True)
+time.sleep(60)
+"""
+
+
+def test_killing_a_worker_group_leaves_no_named_semaphores():
+    """A DataLoader's queues under a fork server hold named semaphores that only
+    multiprocessing's resource tracker unlinks, after the processes using them died;
+    killing the tracker with the worker's group left ~11 /dev/shm files per loader."""
+    import subprocess
+    import sys
+
+    from pathways_torch._proc import kill_group
+
+    p = subprocess.Popen([sys.executable, "-c", _HOLDS_SEMAPHORES], start_new_session=True,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        files = ["/dev/shm/sem." + n.lstrip("/") for n in p.stdout.readline().split()]
+        assert len(files) == 3 and all(os.path.exists(f) for f in files), files
+        kill_group(p.pid)
+        p.wait(10)
+        deadline = time.monotonic() + 10
+        while any(map(os.path.exists, files)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(os.path.exists, files)), files
+        while time.monotonic() < deadline:          # the tracker exits by itself
+            try:
+                os.killpg(p.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("a process of the killed group is still running")
+    finally:
+        try:
+            os.killpg(p.pid, 9)
+        except ProcessLookupError:
+            pass
+        p.stdout.close()

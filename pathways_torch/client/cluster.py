@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 
-from .._proc import pid_gone
+from .._proc import kill_group, remove_orphan_folders
 from ..errors import PathwaysError, TimeoutError
 from ..rpc import grpc_util
 from ..rpc import pathways_pb2 as pb
@@ -160,7 +160,7 @@ class LocalCluster:
         # Each process's TMPDIR, a folder of this one, removed when the process is
         # replaced and at stop: a killed worker cannot remove its own (its arbiter's
         # socket, torch's and the loaders' temporary files).
-        _remove_orphan_rundirs()
+        remove_orphan_folders(tempfile.gettempdir(), _RUNDIR_PREFIX)
         self.rundir = tempfile.mkdtemp(prefix=f"{_RUNDIR_PREFIX}{os.getpid()}-")
         self.address = ""
         base_env = dict(os.environ)
@@ -253,7 +253,7 @@ class LocalCluster:
                 w.restarts = 0
             # The dead worker's executors and zygote die with it (parent-death signal);
             # make sure of it before a replacement comes.
-            _signal_group(w.proc.pid, signal.SIGKILL)
+            kill_group(w.proc.pid)
             shutil.rmtree(w.proc._pw_tmp, ignore_errors=True)  # type: ignore[attr-defined]
             if w.restarts >= self.max_restarts:
                 w.gave_up = True
@@ -332,7 +332,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 pass
             # Executors and zygotes are in the worker's process group: end them all.
-            _signal_group(p.pid, signal.SIGKILL)
+            kill_group(p.pid)
             try:
                 p.wait(5)
             except subprocess.TimeoutExpired:
@@ -351,20 +351,6 @@ class LocalCluster:
 
 
 _RUNDIR_PREFIX = "pathways-tmp-"
-
-
-def _remove_orphan_rundirs() -> None:
-    """Remove the TMPDIR folders of local clusters whose client died without stopping
-    them (killed, or the machine's Python crashed): named by the client's pid, gone."""
-    root = tempfile.gettempdir()
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(_RUNDIR_PREFIX)]
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(_RUNDIR_PREFIX):].split("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and pid_gone(int(pid)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

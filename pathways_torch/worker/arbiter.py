@@ -51,6 +51,8 @@ import time
 from contextlib import contextmanager
 from typing import Dict, List, Optional
 
+from .._proc import remove_orphan_folders
+
 
 class FairQueue:
     """The pure scheduling rule: who runs next, and the accounting after a run."""
@@ -87,14 +89,20 @@ UNORDERED_ENV = "PATHWAYS_DEBUG_UNORDERED_GANGS"
 log = logging.getLogger("pathways.arbiter")
 
 
+_FOLDER_PREFIX = "pathways-arb-"
+
+
 class ShareArbiter:
     """Serves grants on a Unix socket; one program runs on the host's devices at a time."""
 
     def __init__(self) -> None:
-        folder = tempfile.mkdtemp(prefix="pathways-arb-")
+        prefix = f"{_FOLDER_PREFIX}{os.getpid()}-"
+        folder = tempfile.mkdtemp(prefix=prefix)
         if len(folder) > 90:        # a Unix socket's path holds at most 107 bytes
             os.rmdir(folder)
-            folder = tempfile.mkdtemp(prefix="pathways-arb-", dir="/tmp")
+            folder = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        # A worker killed by a batch system leaves its folder; it cannot remove it.
+        remove_orphan_folders(os.path.dirname(folder), _FOLDER_PREFIX)
         self.path = os.path.join(folder, "arbiter.sock")
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._srv.bind(self.path)
