@@ -798,6 +798,29 @@ def test_weights_that_torch_recomputes_before_each_forward_stay_real(s2, reparam
     torch.testing.assert_close(model(x), ref(x), rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("parallelism", [None, pw.FullyShardedDataParallel("data")],
+                         ids=["dp", "fsdp"])
+def test_pruning_between_steps_keeps_the_optimizer_state_of_the_renamed_weight(
+        s2, parallelism):
+    """``prune.l1_unstructured`` moves the Parameter ``weight`` to ``weight_orig`` and
+    ``prune.remove`` moves it back: the same object under a new name. torch's optimizer
+    state belongs to the object, so Adam goes on; the Trainer took the name for a new
+    parameter and restarted its state from the client's copy (empty, or as old as the
+    last read: Adam's step 2 instead of 4, losses 2e-2 off)."""
+    from torch.nn.utils import prune
+
+    def between(i, m, o):
+        if i == 1:
+            prune.l1_unstructured(m[2], "weight", amount=0.5)
+        elif i == 3:
+            prune.remove(m[2], "weight")
+
+    kw = {"parallelism": parallelism} if parallelism is not None else {}
+    _, model, tr = both(adam, between=between, n=6, s=s2, **kw)
+    assert "2.weight" in dict(model.named_parameters())
+    assert int(tr.optimizer.state[model[2].weight]["step"]) == 6
+
+
 def test_a_read_of_the_module_fetches_no_optimizer_state_and_one_of_the_state_does(s2):
     """A module read (an EMA, a client forward) needs the parameters only, a third of
     the bytes under Adam; ``optimizer.state[p]`` read directly (a logger of Adam's

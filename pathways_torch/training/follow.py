@@ -598,8 +598,10 @@ def follow(tr, *, discard_stale: bool = False) -> None:
             "numbers. Call trainer.sync_to() (or read the tensors through the module) "
             "before changing them; the next step then takes the module's values")
     fresh = [n for n in written if n not in bad]
+    was = {}                       # a trained parameter's name -> its name before
     if reshaped or [f[0] for f in flags] != [f[0] for f in tr._flags]:
-        relayout(tr, fresh)
+        was = renamed(tr)
+        relayout(tr, fresh, was)
     else:
         if flags != tr._flags:     # only the gradient hooks changed: trace again
             tr._flags = flags
@@ -607,8 +609,45 @@ def follow(tr, *, discard_stale: bool = False) -> None:
         push(tr, fresh)
     # what stays stale in the module (not put from it here) stays marked so; ``bad``
     # ones are overwritten by the fetch that follows
-    w.record({n: old.get(n) if i == now.get(n) and i != old.get(n) else i
-              for n, i in array_ids(tr).items()})
+    before = {n: was.get(n, n) for n in array_ids(tr)}
+    w.record({n: old.get(before[n]) if i == now.get(before[n]) and i != old.get(before[n])
+              else i for n, i in array_ids(tr).items()})
+
+
+def renamed(tr) -> Dict[str, str]:
+    """Trained parameters now under another name (new name -> old): the same object
+    moved, as ``torch.nn.utils.prune`` moves ``weight`` to ``weight_orig`` and
+    ``prune.remove`` moves it back. torch's optimizer state belongs to the object, so
+    it goes on from where it was."""
+    w = tr._watch
+    by_object = {id(p): n for n, p in tr._held.items()}
+    tensors = _tensors(tr.model)
+    out = {}
+    for n, t in tensors.items():
+        o = by_object.get(id(t))
+        if (o is not None and o != n and tensors.get(o) is not t
+                and w.kinds.get(n, (None,))[0] != id(t)
+                and w.kinds.get(o) == (id(t), t.dtype, tuple(t.shape))):
+            out[n] = o
+    return out
+
+
+def _rename(tr, was: Dict[str, str]) -> None:
+    """Move the workers' Arrays (value, optimizer state, accumulated gradient) of the
+    parameters in ``was`` (new name -> old) to their new names."""
+    w = tr._watch
+    per_replica = [tr.replicas, tr.fixed, tr.states, tr._parked]
+    if tr.options.accumulate > 1:
+        per_replica.append(tr.acc)
+    for n, o in was.items():
+        for dicts in per_replica:
+            for d in dicts:
+                if o in d:
+                    d[n] = d.pop(o)
+        w.kinds[n] = w.kinds.pop(o)
+        tr._held[n] = tr._held.pop(o)
+        if tr._book is not None and o in tr._book.mirror:
+            tr._book.mirror[n] = tr._book.mirror.pop(o)
 
 
 def _sync_sharers(tr) -> None:
@@ -694,15 +733,21 @@ def push(tr, names: List[str]) -> None:
             where[n] = put(named[n].detach(), home_of(n), tr.param_specs[n])
 
 
-def relayout(tr, fresh: List[str]) -> None:
+def relayout(tr, fresh: List[str], was: Optional[Dict[str, str]] = None) -> None:
     """Lay the workers out as the module and optimizer are now: train what is in the
     optimizer and requires grad, hold the rest fixed. Arrays of tensors that are the
     same objects as before and not in ``fresh`` stay where they are (moved between
     trained and fixed as needed); new or replaced tensors and ``fresh`` ones are put
     from the module. A parameter frozen keeps its optimizer state, parked; one
     trained again takes it back, or the optimizer's state (a loaded one), or what
-    torch's first step would create."""
+    torch's first step would create. A parameter renamed (``was``: new name -> old)
+    keeps its Arrays."""
     w = tr._watch
+    was = was or {}
+    _rename(tr, was)
+    specs = {n: tr.param_specs[o] for n, o in was.items()}
+    new_name = {o: n for n, o in was.items()}
+    fresh = [new_name.get(n, n) for n in fresh]   # prune.remove also writes its .data
     named = dict(tr.model.named_parameters())
     tensors = _tensors(tr.model)
     same = {n for n, t in tensors.items()
@@ -740,6 +785,8 @@ def relayout(tr, fresh: List[str]) -> None:
     tr._floats = fopt.floats(tr.optimizer)
     tr.opt = dict(fopt.describe(tr.optimizer, tr._dynamic), book=tr._book)
     tr._place(tr.slices)
+    for n in [n for n, spec in specs.items() if tr.param_specs[n] != spec]:
+        _lay_out_again(tr, n)       # a layout by name (a tensor-parallel plan)
     # the optimizer's state replaces the workers' where the script replaced it. A
     # parameter converted in place (``model.double()`` reassigns each ``.data``: the
     # same object, another dtype) keeps its state in torch, as it was: the workers'
@@ -790,6 +837,18 @@ def relayout(tr, fresh: List[str]) -> None:
     reads.cover_state(tr)         # a state dict loaded into the optimizer: likewise
     tr._programs.clear()          # their update names the trained parameters
     w.attributes.record()         # of the modules there are now
+
+
+def _lay_out_again(tr, n: str) -> None:
+    """Put the Arrays of ``n`` again, laid out as ``tr.param_specs`` says now."""
+    for r, home_of in enumerate(tr._homes):
+        for dicts in (tr.replicas, tr.fixed, tr.acc if tr.options.accumulate > 1 else []):
+            if n in dicts[r]:
+                dicts[r][n] = put(dicts[r][n].torch(), home_of(n), tr.param_specs[n])
+        for dicts in (tr.states, tr._parked):
+            if n in dicts[r]:
+                dicts[r][n] = {k: put(t := a.torch(), home_of(n), tr._state_spec(n, t))
+                               for k, a in dicts[r][n].items()}
 
 
 def _keep_replaced(tr, tensors: Dict[str, torch.Tensor]) -> None:
