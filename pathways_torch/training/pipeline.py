@@ -21,7 +21,7 @@ from .batches import _axis_size, _moved, _place_batch, split_pair
 from . import scaling
 from .programs import (alone, autocast, clip_coef, grad_hooks, grad_square_sum,
                        loss_and_rest, make_apply_fn, mode, reparametrized, requires_grad,
-                       returned)
+                       returned, with_inner_backward)
 
 
 def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
@@ -50,7 +50,7 @@ def pipeline_step(trainer, inputs, targets, lrs, hyper) -> Array:
                _make_stage_fwd(mod, k == 0, trainer.model, options), first=k == 0))
            for k, (mod, _) in enumerate(stages)]
     bwd = [trainer._program(f"stage{k}_bwd{sfx}", group(
-               _make_stage_bwd(mod, k == 0, trainer.model, options), first=k == 0))
+               _make_stage_bwd(mod, k == 0, trainer.model, options, m), first=k == 0))
            for k, (mod, _) in enumerate(stages[:-1])]
     last_bwd = trainer._program(f"last_bwd{sfx}", group(
         _make_last_bwd(stages[-1][0], trainer.loss_fn, m, last == 0, trainer.model,
@@ -412,7 +412,7 @@ def _accumulate(acc, names, grads):
     return {n: (acc[n] + g if n in acc else g) for n, g in zip(names, grads)}
 
 
-def _make_stage_bwd(mod, first: bool, model, options):
+def _make_stage_bwd(mod, first: bool, model, options, microbatches: int):
     """Backpropagate ``gy`` through the stage with the forward's saved tensors;
     accumulate the parameters' gradients."""
     def stage_bwd(params, fixed, x, saved, gy, acc):
@@ -428,6 +428,7 @@ def _make_stage_bwd(mod, first: bool, model, options):
             with _Stash(x, params, saved).hooks(), autocast(options):
                 y = mod(x)
             grads = torch.autograd.grad(y, wrt, grad_outputs=gy)
+        grads = with_inner_backward(wrt, grads, 1 / microbatches)
         gx = torch.zeros((), dtype=y.dtype) if first else grads[0]
         return gx, _accumulate(acc, names, grads if first else grads[1:])
     return stage_bwd
@@ -451,6 +452,7 @@ def _make_last_bwd(mod, loss_fn, microbatches: int, first: bool, model, options)
             part = loss / microbatches
             grads = torch.autograd.grad(
                 scaling.scale_loss(part, scaler) if options.scaling else part, wrt)
+        grads = with_inner_backward(wrt, grads, 1 / microbatches)
         gx = torch.zeros((), dtype=loss.dtype) if first else grads[0]
         return gx, _accumulate(acc, names, grads if first else grads[1:]), loss.detach()
     return last_bwd

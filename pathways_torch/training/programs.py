@@ -278,7 +278,22 @@ def gradients(loss: torch.Tensor, params: Dict[str, torch.Tensor]) -> Dict[str, 
     their ``.grad`` None, and the optimizer skips them)."""
     names = list(params)
     gs = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
-    return dict(zip(names, gs))
+    return dict(zip(names, with_inner_backward([params[n] for n in names], gs)))
+
+
+def with_inner_backward(leaves: List[torch.Tensor], grads, scale: float = 1.0) -> list:
+    """``grads`` plus what a ``.backward()`` inside the forward or the loss_fn put in the
+    traced parameters' ``.grad``: WGAN-GP ported from a torch loop calls
+    ``penalty.backward(retain_graph=True)`` and returns the critic's loss, and torch's
+    optimizer steps on the sum (that gradient was dropped, silently). A pipeline's
+    micro-batch weighs ``scale`` (1 / micro-batches), as its loss does."""
+    out = []
+    for t, g in zip(leaves, grads):
+        inner, t.grad = t.grad, None
+        if inner is not None and scale != 1.0:
+            inner = inner * scale
+        out.append(g if inner is None else inner if g is None else inner + g)
+    return out
 
 
 #: in what a step created, the 0-d tensors a generic optimizer made in its groups
