@@ -396,6 +396,29 @@ class Cosine(torch.optim.Optimizer):
                 p.add_(p.grad * (1 + cos) + floor, alpha=-group["lr"])
 
 
+def test_an_optimizer_that_needs_a_closure_says_how_to_write_the_step(s2):
+    """The common SAM wrapper asserts a closure (it evaluates the loss again at the
+    perturbed weights); the Trainer calls none. It raised the optimizer's own
+    AssertionError inside a TraceError; now a PathwaysError says what to do."""
+    class SAM(torch.optim.Optimizer):
+        def __init__(self, params, rho=0.05):
+            super().__init__(params, dict(rho=rho))
+            self.base = torch.optim.SGD(self.param_groups, lr=0.1)
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            assert closure is not None, "Sharpness Aware Minimization requires closure"
+            closure()
+            self.base.step()
+
+    model = mlp()
+    tr = pw.Trainer(model, SAM(model.parameters()), F.cross_entropy, slice=s2)
+    x, y = batches(1)[0]
+    with pytest.raises(pw.PathwaysError, match=r"SAM.step needs a closure.*"
+                                                      r"functional_call"):
+        tr.step(x, y)
+
+
 def test_a_number_where_torch_takes_only_a_python_number_is_its_value(s2):
     """Before stop 37 the number became a 0-d tensor there, which torch's argument
     parser read: a DataDependentError that named the cosine's line for a read the

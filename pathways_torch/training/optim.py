@@ -435,7 +435,20 @@ def _generic_step(user: torch.optim.Optimizer, book, nums: Dict, first: int, par
             if st or held:
                 opt.state[p] = {**st, **held}
     with torch.no_grad(), _TensorScalars(), numbers.traced_math(cls):
-        cls.step(opt)
+        try:
+            cls.step(opt)
+        except (AssertionError, ValueError, RuntimeError, TypeError) as e:
+            if "closure" not in str(e).lower():
+                raise
+            raise UnsupportedOptimizer(
+                f"{cls.__name__}.step needs a closure ({type(e).__name__}: "
+                f"{str(e).splitlines()[0]}): it "
+                "evaluates the loss again (sharpness-aware minimisation, a line search), "
+                "and pw.Trainer's step is one compiled program with one forward and "
+                "backward, which calls no closure. Write the second pass in the model's "
+                "forward or the loss_fn (SAM: the gradient's norm, then the loss at the "
+                "perturbed weights with torch.func.functional_call, and a plain "
+                "optimizer), or write the whole step as a @pw.program") from None
     rec = book.recording
     for gi, g2 in enumerate(opt.param_groups, first):
         for k, v in g2.items():
