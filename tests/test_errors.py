@@ -200,6 +200,31 @@ def test_a_static_number_that_keeps_changing_warns_once_with_its_name(s):
     torch.testing.assert_close(got.torch(), torch.softmax(x.torch() / 0.4, -1))
 
 
+def test_a_shape_that_keeps_changing_warns_once_at_the_callers_line(s):
+    """Each new sequence length is a trace and an XLA compile (25-75 s a length for a
+    small TCN here), which went without a word: the fourth set of shapes warns once,
+    at the script's line, saying to pad to a few lengths."""
+    import warnings
+
+    @pw.program
+    def mean_over_time(x):
+        return x.mean(1)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in (8, 12, 8, 16):
+            mean_over_time(pw.put(torch.ones(2, t), s))
+    assert not [w for w in caught if w.category is pw.RetraceWarning]
+    with pytest.warns(pw.RetraceWarning, match=r"4 so far, now \[\[2, 20\]\].*pad them") as got:
+        mean_over_time(pw.put(torch.ones(2, 20), s))
+    assert got[0].filename == __file__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = mean_over_time(pw.put(torch.ones(2, 24), s))      # warned once only
+    assert not [w for w in caught if w.category is pw.RetraceWarning]
+    torch.testing.assert_close(out.torch(), torch.ones(2))
+
+
 def test_an_array_updated_in_place_and_passed_twice_is_refused(s):
     """torch: f(a, a) with x.add_(1) makes y see the update too; a program would read
     the old value through y, so it is refused, and the Array is left as it was."""

@@ -34,7 +34,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import tracing
-from ..errors import PlacementError, RetraceWarning, ShardingError, TraceError
+from ..errors import (PlacementError, RetraceWarning, ShardingError, TraceError,
+                      warn_at_caller)
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, spec_from_proto, spec_to_proto, validate_spec
@@ -345,6 +346,35 @@ class Program:
 
     #: distinct values of one static argument that make a warning (``RetraceWarning``)
     RETRACE_WARN_AT = 3
+    #: distinct sets of input shapes that make one (a full and a last partial batch,
+    #: training and evaluation, are two or three)
+    SHAPES_WARN_AT = 4
+
+    def _note_shapes(self, key, args, kwargs) -> None:
+        """Warn once when the same call traces for its ``SHAPES_WARN_AT``-th set of
+        input shapes: a sequence length that changes every batch compiles every batch
+        (tens of seconds a length for a small transformer), silently otherwise."""
+        tree, parts, autocast = key
+        if "shapes" in self._static_warned:
+            return
+        statics = [p for p in parts if p[0] != "A"]
+        shapes = {tuple(p for p in other[1] if p[0] == "A") for other in self._traces
+                  if other[0] == tree and other[2] == autocast
+                  and [p for p in other[1] if p[0] != "A"] == statics}
+        shapes.add(tuple(p for p in parts if p[0] == "A"))
+        if len(shapes) < self.SHAPES_WARN_AT:
+            return
+        self._static_warned.add("shapes")
+        mine = [p[1] for p in parts if p[0] == "A"]
+        now = [list(shape) for i, shape in enumerate(mine)     # the ones that vary
+               if len({len(other) > i and other[i][1] for other in shapes}) > 1][:4]
+        warn_at_caller(
+            f"program '{self.name}' is traced and compiled again for each new set of "
+            f"input shapes ({len(shapes)} so far, now {now}): each costs a trace and an "
+            "XLA compile, seconds to minutes. If the lengths vary from batch to batch, "
+            "pad them to a few fixed lengths (buckets; a DataLoader collate_fn that pads "
+            "to the next multiple of 32 or 64), so the compiled programs are reused",
+            RetraceWarning)
 
     def _note_retrace(self, key, args, kwargs) -> None:
         """Before a new trace: if traces of the same structure and tensor shapes exist,
@@ -471,6 +501,7 @@ class Program:
             self._note_stale()
         if traced is None:
             self._note_retrace(key, args, kwargs)
+            self._note_shapes(key, args, kwargs)
             t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
             traced = self._trace(leaves, tree, dyn_pos, avals)
             self._traces[key] = traced
