@@ -765,6 +765,44 @@ def test_a_tensor_kept_by_a_hook_or_a_forward_while_traced_warns(s2):
     torch.testing.assert_close(float(metrics["mean"]), h.mean().item(), rtol=TOL, atol=TOL)
 
 
+_GRIDS = {}
+
+
+class _CachesAGrid(nn.Module):
+    """PWC-Net's habit: a base grid made once per shape, in a global dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape not in _GRIDS:
+            _GRIDS[x.shape] = torch.linspace(-1, 1, x.shape[-1]).expand(x.shape)
+        return self.lin(x) + _GRIDS[x.shape]
+
+
+def test_a_cache_the_forward_fills_while_traced_warns_and_a_later_read_says_why(s2):
+    """The cache kept the trace's FakeTensor: nothing warned, and the next program
+    (evaluate) failed with ".numpy() is not supported for tensor subclasses"."""
+    import warnings
+
+    _GRIDS.clear()
+    model = _CachesAGrid()
+    tr = pw.Trainer(model, adam(model), lambda out, y: F.mse_loss(out, y), slice=s2)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        tr.step(x, y)
+    assert [w for w in got if "_GRIDS[torch.Size([4, 8])]" in str(w.message)
+            and "cache filled in the forward" in str(w.message)], \
+        [str(w.message) for w in got]
+    with pytest.raises(pw.TraceError, match="an earlier trace made.*register_buffer"):
+        tr.evaluate(x, y)
+    _GRIDS.clear()                                 # as the error says: then it works
+    want = F.mse_loss(tr.sync_to(copy.deepcopy(model))(x), y)
+    assert abs(float(tr.evaluate(x, y)) - want.item()) < TOL
+
+
 @pytest.mark.parametrize("reparam", ["prune", "weight_norm", "spectral_norm"])
 def test_weights_that_torch_recomputes_before_each_forward_stay_real(s2, reparam):
     """``nn.utils.prune`` (pruning tutorials), the older ``weight_norm`` and

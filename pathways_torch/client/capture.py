@@ -138,6 +138,24 @@ _PRINT_WHOLE = 4096          # elements: larger tensors are fingerprinted by a s
 _PRINT_SAMPLE = 256
 
 
+def _refuse_old_fakes(outside: List[torch.Tensor], name: str) -> None:
+    """A tensor a program read from outside that an earlier trace made: a cache in
+    Python state filled inside the function (``CACHE[shape] = torch.linspace(...)``,
+    PWC-Net's base grid) kept it. It holds no numbers; reading them failed with
+    ".numpy() is not supported for tensor subclasses", and so does a CPU forward."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    if any(isinstance(t, FakeTensor) for t in outside):
+        shapes = [list(t.shape) for t in outside if isinstance(t, FakeTensor)][:3]
+        raise TraceError(
+            f"program '{name}' reads a tensor (shape {', '.join(map(str, shapes))}) that "
+            "an earlier trace made and Python state kept: a cache filled inside the "
+            "function (a dict or attribute keyed by shape). A traced function's tensors "
+            "hold no numbers outside its trace, so the cache holds none either (a CPU "
+            "forward fails on it too). Compute the tensor in every call (XLA folds a "
+            "constant), or make it outside the program and keep it in a buffer "
+            "(module.register_buffer); then clear the cache")
+
+
 def value_print(t: torch.Tensor) -> int:
     """A CRC-32 of ``t``'s values: all of them up to ``_PRINT_WHOLE`` elements, else
     ``_PRINT_SAMPLE`` spread evenly over it (an update through ``.data`` that touches
@@ -868,6 +886,7 @@ def trace(fn: Callable, name: str, in_avals: Sequence[Tuple[Tuple[int, ...], tor
         outside = [t for t in (getattr(gm, n.target) for n in gm.graph.nodes
                                if n.op == "get_attr")
                    if isinstance(t, torch.Tensor) and not t.is_inference()]
+        _refuse_old_fakes(outside, name)
         keeps = [k for k in (keeper(outside) for keeper in KEEPERS) if k is not None] \
             if outside else []
         sources = [(t, t._version) for t in outside]

@@ -96,6 +96,12 @@ def _places(model: torch.nn.Module, loss_fn: Any) -> Iterator[Tuple[str, str, An
     if loss_fn is not None:
         for n, v in _reach(loss_fn):
             yield n, f"loss_fn {getattr(loss_fn, '__qualname__', loss_fn)!r}", v
+    classes = {type(m) for m in model.modules()
+               if not type(m).__module__.startswith("torch.")}
+    for cls in sorted(classes, key=lambda c: c.__qualname__):
+        # the globals and closure a forward names: a cache dict filled in the forward
+        for n, v in _reach(cls.__dict__.get("forward")):
+            yield n, f"the forward of {cls.__name__}", v
 
 
 def _reparametrized(model: torch.nn.Module
@@ -148,5 +154,7 @@ def check(trainer: Any) -> None:
                 "was traced. The step runs on the workers, so later steps do not update "
                 "it and it holds no numbers (printing shows none; .item() raises). To "
                 "read such a value every step, return it from loss_fn beside the loss "
-                "(return loss, {'name': value}): trainer.step returns it as a pw.Array",
+                "(return loss, {'name': value}): trainer.step returns it as a pw.Array. "
+                "A cache filled in the forward (a base grid keyed by shape) cannot "
+                "keep it: compute it in every call, or keep it in a buffer",
                 UserWarning)
