@@ -18,6 +18,7 @@ slices for the pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -569,6 +570,38 @@ def test_parameters_reached_through_a_reference_kept_by_the_script_train(s2, whe
     want, _ = torch_train(ref, make_opt(ref.parameters()), data, loss_fn=loss_for(ref))
     assert_losses(got, want)
     assert_same_model(tr.sync_to(copy.deepcopy(model)), ref)
+
+
+class _Poisson(nn.Module):
+    """A physics-informed residual: the forward differentiates u w.r.t. its input."""
+
+    def __init__(self, enable_grad: bool):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.enable_grad = enable_grad
+
+    def forward(self, x):
+        with torch.enable_grad() if self.enable_grad else contextlib.nullcontext():
+            x = x.clone().requires_grad_(True)
+            u = self.net(x)
+            du, = torch.autograd.grad(u.sum(), x, create_graph=True)
+            d2u, = torch.autograd.grad(du.sum(), x, create_graph=True)
+            return (d2u + math.pi ** 2 * torch.sin(math.pi * x)).pow(2).mean()
+
+
+def test_evaluate_of_a_forward_that_differentiates_says_to_enable_grad(s2):
+    """``evaluate`` runs under no_grad, as an evaluation loop does: a PINN's forward
+    failed with torch's "does not require grad" and no word of why."""
+    x = torch.rand(16, 1)
+    torch.manual_seed(0)
+    model = _Poisson(enable_grad=False)
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3), None, slice=s2)
+    with pytest.raises(pw.TraceError, match=r"under torch.no_grad.*enable_grad"):
+        tr.evaluate(x)
+    model.enable_grad = True
+    ref = copy.deepcopy(model).eval()
+    tr = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3), None, slice=s2)
+    torch.testing.assert_close(float(tr.evaluate(x)), ref(x).item(), rtol=TOL, atol=TOL)
 
 
 def test_grad_norm_logged_without_clipping(s2):

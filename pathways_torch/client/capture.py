@@ -429,6 +429,15 @@ def _user_error(name: str, sig: str, e: BaseException) -> PathwaysError:
             "a new one each call (pw.init(seed=), or torch.manual_seed before the calls, "
             "repeats a run): remove generator=, or draw the numbers outside the program "
             "and pass them in to have the same ones every call")
+    if "does not require grad and does not have a grad_fn" in text and \
+            name.startswith(("evaluate_", "predict_")):
+        return TraceError(
+            f"program '{name}' differentiates in the forward{_user_line(e)} (a "
+            "physics-informed loss's torch.autograd.grad of the outputs w.r.t. the "
+            "inputs), and trainer.evaluate and trainer.predict run the model under "
+            "torch.no_grad(), as an evaluation loop does: wrap that part of the forward "
+            "in `with torch.enable_grad():` (a torch evaluation loop under no_grad needs "
+            "the same)")
     if "INTERNAL ASSERT" in text:
         return TraceError(f"tracing program '{name}' with inputs ({sig}) hit an internal "
                           f"error in torch: {type(e).__name__}: {text}\n{_REPORT}")
