@@ -859,6 +859,39 @@ def test_pruning_between_steps_keeps_the_optimizer_state_of_the_renamed_weight(
     assert int(tr.optimizer.state[model[2].weight]["step"]) == 6
 
 
+def test_a_parameter_the_module_dropped_keeps_its_state_in_the_optimizer(s2):
+    """weight_norm applied mid-training replaces ``2.weight``; torch's optimizer still
+    holds it with the state of its steps. The Trainer's copy had lost that state (the
+    weight had been read, its state not)."""
+    from torch.nn.utils import parametrizations
+
+    def between(i, m, o):
+        if i == 1:
+            parametrizations.weight_norm(m[2])
+            w = m[2].parametrizations.weight
+            o.add_param_group({"params": [w.original0, w.original1]})
+
+    data = batches(4)
+    ref, model = mlp(), mlp()
+    ref_opt, opt = adam(ref), adam(model)
+    want = torch_run(ref, ref_opt, data, between)
+    tr = trainer(model, opt, s2)
+    assert_losses(pw_run(tr, data, between), want)
+    got, ref_sd = tr.optimizer.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert sorted(got) == sorted(ref_sd)
+    for k in ref_sd:
+        for key, v in ref_sd[k].items():
+            torch.testing.assert_close(got[k][key], v, rtol=TOL, atol=1e-7)
+
+
+def test_sgd_without_momentum_has_no_state_entries_as_in_torch(s2):
+    """A sync wrote an empty entry per parameter ({0: {}, 1: {}, ...}); torch's SGD
+    without momentum keeps none."""
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
+    _, _, tr = both(sgd, n=2, s=s2)
+    assert tr.optimizer.state_dict()["state"] == {}
+
+
 def test_a_read_of_the_module_fetches_no_optimizer_state_and_one_of_the_state_does(s2):
     """A module read (an EMA, a client forward) needs the parameters only, a third of
     the bytes under Adam; ``optimizer.state[p]`` read directly (a logger of Adam's

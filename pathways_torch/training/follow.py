@@ -858,16 +858,21 @@ def _keep_replaced(tr, tensors: Dict[str, torch.Tensor]) -> None:
     held those of the last sync. In torch the old head keeps what it learned, and
     putting it back (``m.head = old``) trains on from there."""
     stale = tr._watch.stale_names(tr)
+    state_stale = tr._opt_synced != tr._version
     gone = {n: p for n, p in tr._held.items()
-            if tensors.get(n) is not p and n in stale and n in tr.replicas[0]}
+            if tensors.get(n) is not p and n in tr.replicas[0]
+            and (n in stale or state_stale)}
     for n, p in gone.items():
         value = tr.replicas[0][n].torch()
         if value.shape != p.shape or value.dtype != p.dtype:
             continue
-        with torch.no_grad():
-            p.copy_(value)
+        if n in stale:
+            with torch.no_grad():
+                p.copy_(value)
+        # (its state too when only the values were read since: weight_norm applied
+        # mid-training reads the weight it replaces, torch's optimizer keeps the state)
         st = tr.states[0].get(n)
-        if st:
+        if st and state_stale:
             tr.optimizer.state[p].update({k: a.torch().clone() for k, a in st.items()})
 
 

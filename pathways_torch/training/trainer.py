@@ -766,8 +766,9 @@ class Trainer:
         if optimizer:
             named = dict(self.model.named_parameters())
             for n, st in sd["optim"].items():
-                torch_state = self.optimizer.state[named[n]]
-                torch_state.update({k: v.clone() for k, v in st.items()})
+                if st:          # SGD without momentum keeps none: torch has no entry
+                    self.optimizer.state[named[n]].update(
+                        {k: v.clone() for k, v in st.items()})
             for n, held in sd.get("numbers", {}).items():
                 self.optimizer.state[named[n]].update(held)
             for (gi, k), t in sd.get("group_tensors", {}).items():
