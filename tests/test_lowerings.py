@@ -1189,3 +1189,128 @@ def test_half_precision_interpolation_is_as_close_as_torchs(s1, dtype, mode):
     got = pw.program(fn)(pw.put(x, s1)).torch()
     assert got.dtype == dtype
     assert (got.double() - exact).abs().max() <= (fn(x).double() - exact).abs().max()
+
+
+# F.grid_sample, every mode and padding, against torch's CPU kernel at the points where
+# its floor and round decide: torch's own decomposition (the lowering before) computed a
+# grid point's pixel position as ``g * mul + ofs``, the kernel as ``(g + 1) * mul - 0.5``
+# (a fused multiply-add in its AVX2 and AVX-512 builds), and at points on a pixel centre
+# or a half pixel, which an identity affine grid (a spatial transformer's
+# initialization) is full of, the two fell on either side of floor() and round(): the
+# grid's gradient came out another function (off by up to 25 at identity grids), nearest
+# read other pixels (6 of 42 off by up to 0.70), border and reflection differed at the
+# bounds. Values and gradients are within TOL (1e-5) relative, ``|got - want| <= 1e-5 +
+# 1e-5 |want|``; the bicubic grid's gradient, a sum over 16 taps per channel that cancel
+# (torch's own float32 rounding of it is some 1e-6 of its largest entry), within 1e-5 of
+# its largest entry.
+GRID_MODES = [(mode, padding) for mode in ("bilinear", "nearest", "bicubic")
+              for padding in ("zeros", "border", "reflection")]
+
+
+def _grid_sample_everywhere(align_corners: bool):
+    """Every mode and padding of F.grid_sample at one grid: each output, and the
+    gradients of ``sum(output * w[k])`` with respect to the input and the grid (nearest's
+    grid gradient is zero: its own test below asks for it strictly)."""
+    def run(x, grid, w):
+        x, grid = x.detach().requires_grad_(), grid.detach().requires_grad_()
+        outs = []
+        with torch.enable_grad():
+            for k, (mode, padding) in enumerate(GRID_MODES):
+                y = F.grid_sample(x, grid, mode=mode, padding_mode=padding,
+                                  align_corners=align_corners)
+                grads = torch.autograd.grad((y * w[k]).sum(), [x, grid], allow_unused=True)
+                outs += [y, *(torch.zeros_like(t) if g is None else g
+                              for g, t in zip(grads, (x, grid)))]
+        return tuple(outs)
+    return run
+
+
+def _assert_grid_sample_equals_torch(s1, x: torch.Tensor, grid: torch.Tensor,
+                                     align_corners: bool) -> None:
+    w = torch.randn(len(GRID_MODES), *x.shape[:2], *grid.shape[1:3],
+                    generator=torch.Generator().manual_seed(1))
+    fn = _grid_sample_everywhere(align_corners)
+    want = fn(x, grid, w)
+    got = pw.program(fn)(pw.put(x, s1), pw.put(grid, s1), pw.put(w, s1))
+    for k, (mode, padding) in enumerate(GRID_MODES):
+        for j, what in enumerate(("output", "input's gradient", "grid's gradient")):
+            g, e = got[3 * k + j].torch(), want[3 * k + j].detach()
+            atol = TOL * float(e.abs().max()) if (mode, j) == ("bicubic", 2) else TOL
+            where = f"{mode}, {padding}, align_corners={align_corners}, {what}"
+            torch.testing.assert_close(g, e, atol=atol, rtol=TOL,
+                                       msg=lambda m, where=where: f"{where}: {m}")
+
+
+def _image(h: int, w: int) -> torch.Tensor:
+    return torch.rand(2, 3, h, w, generator=torch.Generator().manual_seed(3)) + 0.5
+
+
+@pytest.mark.parametrize("align_corners", [False, True], ids=["", "align_corners"])
+def test_grid_sample_at_an_identity_affine_grid_equals_torch(s1, align_corners):
+    """A spatial transformer's first step: the identity affine grid (computed on the
+    CPU), every point on a pixel centre."""
+    h, w = 9, 11
+    theta = torch.tensor([[[1.0, 0, 0], [0, 1, 0]], [[1.0, 0, 0], [0, 1, 0]]])
+    grid = F.affine_grid(theta, [2, 3, h, w], align_corners=align_corners)
+    _assert_grid_sample_equals_torch(s1, _image(h, w), grid, align_corners)
+
+
+@pytest.mark.parametrize("align_corners", [False, True], ids=["", "align_corners"])
+def test_a_spatial_transformer_from_its_identity_init_equals_torch(s1, align_corners):
+    """affine_grid in the program too: torch's decomposition put the identity grid's
+    points an ulp or two off the CPU kernel's, across grid_sample's floor, and theta's
+    gradient was another function (a trained STN's fc_loc.bias 86% off in 3 steps)."""
+    def fn(x, theta):
+        theta = theta.detach().requires_grad_()
+        with torch.enable_grad():
+            grid = F.affine_grid(theta, [2, 3, 12, 12], align_corners=align_corners)
+            y = F.grid_sample(x, grid, align_corners=align_corners)
+            return y, grid, torch.autograd.grad(y.pow(2).sum(), theta)[0]
+    theta = torch.tensor([[[1.0, 0, 0], [0, 1, 0]], [[0.5, 0, 0.25], [0, 0.5, 0]]])
+    x = _image(12, 12)
+    for g, e in zip(pw.program(fn)(pw.put(x, s1), pw.put(theta, s1)), fn(x, theta)):
+        torch.testing.assert_close(g.torch(), e.detach(), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("align_corners", [False, True], ids=["", "align_corners"])
+def test_grid_sample_on_half_pixels_and_borders_equals_torch(s1, align_corners):
+    """Grid points on every pixel centre and half pixel from two pixels before the first
+    to two after the last (as pixel positions and as linspace(-1, 1) steps), -1 and 1
+    exactly, and points far outside: where floor, round, the clip and the reflection
+    (and their gradients, zero at exactly 0 and size - 1 in torch) decide."""
+    h, w = 7, 10
+    px = torch.arange(-4, 2 * w + 5) / 2.0
+    py = torch.arange(-4, 2 * h + 5) / 2.0
+    if align_corners:
+        gx, gy = px * 2 / (w - 1) - 1, py * 2 / (h - 1) - 1
+    else:
+        gx, gy = (2 * px + 1) / w - 1, (2 * py + 1) / h - 1
+    edges = torch.tensor([-1.0, 1.0, -1 - 1 / w, 1 + 1 / w, -3.0, 3.0, 5.0, -5.0])
+    gx = torch.cat([gx, torch.linspace(-1, 1, 2 * w + 1), edges])
+    gy = torch.cat([gy, torch.linspace(-1, 1, 2 * h + 1), edges.flip(0)])
+    grid = torch.stack(torch.meshgrid(gx, gy, indexing="xy"), -1)
+    grid = torch.stack([grid, grid.flip(0, 1)])
+    _assert_grid_sample_equals_torch(s1, _image(h, w), grid, align_corners)
+
+
+def test_grid_sample_at_random_points_equals_torch(s1):
+    g = torch.Generator().manual_seed(4)
+    grid = torch.rand(2, 6, 9, 2, generator=g) * 2.8 - 1.4        # some points outside
+    _assert_grid_sample_equals_torch(s1, _image(8, 5), grid, align_corners=False)
+
+
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+def test_grid_sample_nearest_gives_the_grid_a_zero_gradient_as_torch(s1, padding):
+    """torch's nearest mode gives the grid a zero gradient; the decomposition's grid
+    took no part in autograd's graph, and asking for its gradient failed the trace."""
+    def fn(x, grid):
+        grid = grid.detach().requires_grad_()
+        with torch.enable_grad():
+            y = F.grid_sample(x, grid, mode="nearest", padding_mode=padding,
+                              align_corners=False)
+            return y, torch.autograd.grad((y * y).sum(), grid)[0]
+    x, grid = _image(8, 5), GRID
+    want_y, want_g = fn(x, grid)
+    got_y, got_g = pw.program(fn)(pw.put(x, s1), pw.put(grid, s1))
+    assert torch.equal(got_y.torch(), want_y.detach())
+    assert torch.equal(got_g.torch(), want_g) and not want_g.any()

@@ -1372,17 +1372,206 @@ def table() -> Dict[object, Callable]:
 # of ops XLA has (torch_paths.traceable applies them).
 
 def grid_sample(input, grid, mode="bilinear", padding_mode="zeros", align_corners=None):
-    """F.grid_sample on 4-d inputs: torch's own decomposition of grid_sampler_2d (the
-    same index and weight formulas as its CPU kernel), differentiated by autograd."""
-    if input.dim() != 4:
+    """F.grid_sample on 4-d inputs by the formulas of torch's CPU kernel
+    (aten/src/ATen/native/cpu/GridSamplerKernel.cpp, the vectorized kernel torch runs
+    for float and double), the same operations in the same order, differentiated by
+    autograd.
+
+    A grid point maps to the pixel position ``(g + 1) * ((size - 1) / 2)`` with
+    ``align_corners``, else ``(g + 1) * (size / 2) - 0.5`` (``_grid_unnormalize``);
+    border padding clips it to ``[0, size - 1]``, reflection folds it first
+    (``_grid_compute_coordinates``). Bilinear takes ``floor`` and the weights ``nw = (1 -
+    dy) * (1 - dx)``, ``ne = (1 - dy) * dx``..., nearest rounds half to even, bicubic
+    weighs 4x4 taps (each clipped or folded) by the cubic convolution coefficients (A =
+    -0.75). torch's Python decomposition, used before, unnormalized as ``g * mul +
+    ofs``: at points on a pixel centre or a half pixel, which an identity affine grid (a
+    spatial transformer's initialization) is full of, its floor and round fell on the
+    other side, so the grid's gradient (and nearest's output) were another function.
+
+    The grid's gradient is torch's: through the clip and the fold with torch's
+    convention at their bounds (zero at exactly 0 and at size - 1), for bicubic through
+    the kernel's own derivative of the coefficients, and zero for nearest. The kernel's
+    AVX2/AVX-512 builds fuse the multiply-adds of its weighted sums, which are rounded
+    twice here (an ulp); the one in the unnormalization, which decides floor and round,
+    is reproduced exactly. Float16/bfloat16 inputs are computed in float32."""
+    if input.dim() != 4 or grid.dim() != 4 or grid.shape[-1] != 2:
         return NotImplemented
-    from torch._decomp.decompositions import grid_sampler_2d
-    modes = {"bilinear": 0, "nearest": 1, "bicubic": 2}
-    paddings = {"zeros": 0, "border": 1, "reflection": 2}
-    if mode not in modes or padding_mode not in paddings:
+    modes = ("bilinear", "nearest", "bicubic")
+    if (mode not in modes or padding_mode not in ("zeros", "border", "reflection")
+            or input.dtype != grid.dtype or not input.dtype.is_floating_point
+            or grid.shape[0] != input.shape[0]):
         return NotImplemented                 # torch's own error
-    return grid_sampler_2d(input, grid, modes[mode], paddings[padding_mode],
-                           bool(align_corners))
+    dtype = input.dtype
+    if dtype not in (torch.float32, torch.float64):
+        out = grid_sample(input.float(), grid.float(), mode, padding_mode, align_corners)
+        return out.to(dtype)
+    ac = bool(align_corners)
+    n, c, h, w = input.shape
+    oh, ow = grid.shape[1:3]
+    flat = input.reshape(n, c, h * w)
+
+    def read(ix, iy):
+        """input[:, :, iy, ix] at integer-valued coordinates [n, oh, ow], 0 outside."""
+        inside = (ix > -1) & (ix < w) & (iy > -1) & (iy < h)
+        at = (torch.where(inside, iy, 0).to(torch.int64) * w
+              + torch.where(inside, ix, 0).to(torch.int64))
+        vals = flat.gather(2, at.reshape(n, 1, oh * ow).expand(n, c, oh * ow))
+        return torch.where(inside.unsqueeze(1), vals.reshape(n, c, oh, ow), 0)
+
+    gx, gy = grid[..., 0], grid[..., 1]
+    if mode == "bicubic":
+        x, y = _grid_unnormalize(gx, w, ac), _grid_unnormalize(gy, h, ac)
+        ix, iy = x.floor(), y.floor()
+        cx, cy = _grid_cubic_coefficients(x - ix), _grid_cubic_coefficients(y - iy)
+        ix, iy = ix.detach(), iy.detach()
+        out = None
+        for j in range(4):                   # rows, then columns within a row
+            yy = _grid_compute_coordinates(iy + (j - 1), h, padding_mode, ac)
+            row = None
+            for i in range(4):
+                xx = _grid_compute_coordinates(ix + (i - 1), w, padding_mode, ac)
+                term = read(xx, yy) * cx[i].unsqueeze(1)
+                row = term if row is None else row + term
+            term = row * cy[j].unsqueeze(1)
+            out = term if out is None else out + term
+        return out
+    x = _grid_compute_coordinates(_grid_unnormalize(gx, w, ac), w, padding_mode, ac)
+    y = _grid_compute_coordinates(_grid_unnormalize(gy, h, ac), h, padding_mode, ac)
+    if mode == "nearest":
+        out = read(x.round(), y.round())      # half to even, as the kernel's round
+        if grid.requires_grad:                # torch's zero gradient for the grid
+            none = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+            out = out + torch.where(none, x + y, 0).unsqueeze(1)
+        return out
+    x_w, y_n = x.floor(), y.floor()
+    dx, dy = x - x_w, y - y_n
+    ex, sy = 1 - dx, 1 - dy
+    x_w, y_n = x_w.detach(), y_n.detach()
+    nw, ne, sw, se = (t.unsqueeze(1) for t in (sy * ex, sy * dx, dy * ex, dy * dx))
+    return (read(x_w, y_n) * nw + read(x_w + 1, y_n) * ne + read(x_w, y_n + 1) * sw
+            + read(x_w + 1, y_n + 1) * se)
+
+
+def _cpu_kernels_fuse_multiply_add() -> bool:
+    """Whether torch's vectorized CPU kernels round ``a * b + c`` once: its AVX2 and
+    AVX-512 builds do (the compiler contracts them into fused multiply-adds), the
+    DEFAULT build an x86 CPU without AVX2 or ``ATEN_CPU_CAPABILITY=default`` selects
+    rounds twice. ARM builds are taken to contract (FMA is part of the ISA)."""
+    import platform
+    if platform.machine().lower() not in ("x86_64", "amd64", "x86", "i386", "i686"):
+        return True
+    return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
+def affine_grid(theta, size, align_corners=None):
+    """F.affine_grid (4-d) as torch's CPU kernel computes it (AffineGridGenerator.cpp):
+    each axis is ``linspace(-1, 1, n)``, whose values torch computes as ``-1 + step * i``
+    in the first half and ``1 - step * (n - 1 - i)`` in the second (one rounding in its
+    AVX2 builds), times ``(n - 1) / n`` without ``align_corners``; then ``base @
+    theta^T``. torch's decomposition, used before, made the same points an ulp or two
+    away (``linspace(-a, a)``), and an identity grid's points, each on a pixel centre,
+    then crossed grid_sample's floor: a spatial transformer trained from its identity
+    initialization took another gradient for theta (its bias 86% off after 3 steps)."""
+    if len(size) != 4 or theta.dim() != 3 or theta.shape[1:] != (2, 3) or \
+            theta.dtype != torch.float32:
+        return NotImplemented               # float64: torch's decomposition, an ulp off
+    n, _, h, w = size
+    if theta.shape[0] != n:
+        return NotImplemented
+
+    def axis(k: int) -> torch.Tensor:
+        if k <= 1:
+            return torch.zeros(1, dtype=theta.dtype, device=theta.device)
+        step = float(np.float32(2) / np.float32(k - 1))
+        i = torch.arange(k, dtype=torch.float64, device=theta.device)
+        if _cpu_kernels_fuse_multiply_add():
+            lo, hi = (-1 + step * i).to(theta.dtype), (1 - step * (k - 1 - i)).to(theta.dtype)
+        else:
+            lo = -1 + (step * i).to(theta.dtype)
+            hi = 1 - (step * (k - 1 - i)).to(theta.dtype)
+        r = torch.where(i < k // 2, lo, hi)
+        return r if align_corners else r * (k - 1) / k
+
+    x, y = axis(w).view(1, 1, w), axis(h).view(1, h, 1)
+    t = theta.view(n, 2, 3, 1, 1)
+    gx = x * t[:, 0, 0] + y * t[:, 0, 1] + t[:, 0, 2]
+    gy = x * t[:, 1, 0] + y * t[:, 1, 1] + t[:, 1, 2]
+    return torch.stack([gx, gy], -1)
+
+
+def _grid_unnormalize(g: torch.Tensor, size: int, align_corners: bool) -> torch.Tensor:
+    """Grid values to pixel positions as torch's CPU kernel: ``(g + 1) * ((size - 1) /
+    2)`` with ``align_corners``, else ``(g + 1) * (size / 2) - 0.5``, which its AVX2 and
+    AVX-512 builds compute as one fused multiply-add. Both roundings are made explicit
+    (the product in float64, where it is exact, then one rounding to float32) so that
+    XLA's own contraction cannot change them: at grid points on pixel centres and half
+    pixels the difference decides floor and round. Float64 grids: the plain formula."""
+    t = g + 1
+    if align_corners:
+        return t * ((size - 1) / 2)
+    if g.dtype == torch.float64:
+        return t * (size / 2) - 0.5
+    if _cpu_kernels_fuse_multiply_add():
+        return (t.to(torch.float64) * (size / 2) - 0.5).to(g.dtype)
+    return (t.to(torch.float64) * (size / 2)).to(g.dtype) - 0.5
+
+
+def _grid_clip(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x`` clipped to [0, size - 1] (NaN to 0), as the kernel's clip_coordinates; its
+    gradient passes only strictly inside (the kernel counts the bounds as outside)."""
+    top = size - 1
+    outside = torch.where(x >= top, torch.full_like(x, top), torch.zeros_like(x))
+    return torch.where((x > 0) & (x < top), x, outside.detach())
+
+
+def _grid_reflect(x: torch.Tensor, size: int, align_corners: bool) -> torch.Tensor:
+    """The kernel's reflect_coordinates: ``x`` folded into [low, low + span] (0 to
+    size - 1 with ``align_corners``, else -0.5 to size - 0.5), gradient +-1."""
+    if align_corners:
+        if size <= 1:
+            return torch.zeros_like(x).detach()
+        low, period = 0.0, 2.0 * (size - 1)
+        a = x.abs()
+    else:
+        low, period = -0.5, 2.0 * size
+        a = (x - low).abs()
+    extra = a - (a / period).trunc() * period
+    back = period - extra
+    folded = torch.where(extra > back, back, extra)
+    return folded + low if low else folded
+
+
+def _grid_compute_coordinates(x: torch.Tensor, size: int, padding_mode: str,
+                              align_corners: bool) -> torch.Tensor:
+    if padding_mode == "border":
+        return _grid_clip(x, size)
+    if padding_mode == "reflection":
+        return _grid_clip(_grid_reflect(x, size, align_corners), size)
+    return x
+
+
+def _grid_cubic_coefficients(t: torch.Tensor):
+    """The kernel's cubic convolution weights of the taps at -1, 0, 1, 2 for the
+    fraction ``t``, by its Horner forms (A = -0.75); their derivative with respect to
+    ``t`` is the kernel's get_cubic_coefficients_grad, not autograd's of the Horner
+    forms (which rounds differently: the grid's gradient sums 16 taps that cancel)."""
+    a = -0.75
+    u = t.detach()
+
+    def far(v):                               # 1 < |v| < 2
+        return ((a * v - 5 * a) * v + 8 * a) * v - 4 * a
+
+    def near(v):                              # |v| <= 1
+        return ((a + 2) * v - (a + 3)) * v * v + 1
+
+    values = (far(u + 1), near(u), near(1 - u), far(2 - u))
+    v0, v1, v2, v3 = -1 - u, 0 - u, 1 - u, 2 - u
+    slopes = (-((-3 * a * v0 - 10 * a) * v0 - 8 * a),
+              -((-3 * (a + 2) * v1 - 2 * (a + 3)) * v1),
+              -((3 * (a + 2) * v2 - 2 * (a + 3)) * v2),
+              -((3 * a * v3 - 10 * a) * v3 + 8 * a))
+    moved = t - u                             # 0, with derivative 1
+    return [value + slope * moved for value, slope in zip(values, slopes)]
 
 
 def _safe_root(s: torch.Tensor, p: float) -> torch.Tensor:
@@ -1723,6 +1912,7 @@ def above_autograd() -> Dict[Callable, Callable]:
     from . import covariance, ctc
     return {
         F.grid_sample: grid_sample,
+        F.affine_grid: affine_grid,
         torch.cdist: cdist,
         F.pdist: pdist, torch.pdist: pdist,
         # a user's as_strided of a view: the gather, differentiated by autograd (the
