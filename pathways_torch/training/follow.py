@@ -609,9 +609,11 @@ def follow(tr, *, discard_stale: bool = False) -> None:
         push(tr, fresh)
     # what stays stale in the module (not put from it here) stays marked so; ``bad``
     # ones are overwritten by the fetch that follows
-    before = {n: was.get(n, n) for n in array_ids(tr)}
-    w.record({n: old.get(before[n]) if i == now.get(before[n]) and i != old.get(before[n])
-              else i for n, i in array_ids(tr).items()})
+    ids = {}
+    for n, i in array_ids(tr).items():
+        b = was.get(n, n)                   # its name when ``now`` and ``old`` were taken
+        ids[n] = old.get(b) if i == now.get(b) and i != old.get(b) else i
+    w.record(ids)
 
 
 def renamed(tr) -> Dict[str, str]:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import PathwaysError, TraceError, warn_at_caller
-from . import optim as fopt
+from . import leaks, optim as fopt
 from . import scaling
 from .scaling import LossScaling
 
@@ -140,10 +140,8 @@ class _StandIns(torch.overrides.TorchFunctionMode):
         by_id = {id(t): tensors[n] for n, t in own.items() if n in tensors}
         places = [v for m in model.modules() for k, v in m.__dict__.items()
                   if k not in _MODULE_INTERNALS]
-        fn = getattr(loss_fn, "func", loss_fn)          # a functools.partial's
-        places += [c.cell_contents for c in getattr(fn, "__closure__", None) or ()
-                   if c.cell_contents is not None] if fn is not None else []
-        places += list(getattr(loss_fn, "args", ()))
+        if loss_fn is not None:     # its closure, a partial's arguments, its globals
+            places += [v for _, v in leaks._reach(loss_fn)]
         for v in places:
             items = v.values() if isinstance(v, dict) else \
                 v if isinstance(v, (list, tuple, set)) else (v,)
