@@ -55,8 +55,14 @@ def main():
     extra = {}
     if ref is not None:
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, torch_losses))
+        # which parameters differ most (read through the module: the trained values),
+        # so a mismatch says where it comes from
+        theirs = dict(ref.named_parameters())
+        params = sorted(((float((p - theirs[n]).abs().max() / theirs[n].abs().max()), n)
+                         for n, p in model.named_parameters()), reverse=True)[:3]
         extra = dict(torch_final_loss=torch_losses[-1], torch_losses=torch_losses,
-                     losses=losses, max_rel_diff=worst, match=worst <= 1e-4)
+                     losses=losses, max_rel_diff=worst, match=worst <= 1e-4,
+                     params_most_off={n: d for d, n in params})
     bar.summary(recipe="two_islands", islands=2, devices_per_island=args.devices,
                 dcn_bytes=dcn, **extra)
     pw.shutdown()
