@@ -7,6 +7,7 @@ float32 rounding (rtol 1e-5).
 """
 
 import os
+import random
 import signal
 import threading
 import time
@@ -138,6 +139,28 @@ def test_same_host_moves_skip_the_network(slices):
     assert _transfer_paths(trace, src, far) == {"socket"}           # the network path
     torch.testing.assert_close(near.torch(), x * 2 + 1)
     torch.testing.assert_close(away.torch(), x * 2 + 1)
+
+
+def test_puts_and_moves_leave_the_scripts_random_numbers_alone(slices):
+    """Transfer ids come from the OS, not from Python's global ``random``: the script's
+    own draws are the ones it gets under plain torch, and a script that reseeds
+    before each batch does not repeat ids (two transfers in flight under one id would
+    take each other's bytes)."""
+    a, b = slices((1,), island=0), slices((1,), island=1)
+    big = torch.randn(512, 256)      # over PUT_MIN_BYTES: its bytes go on the data plane
+    random.seed(0)
+    expected = [random.random() for _ in range(2)]
+    random.seed(0)
+    first = random.random()
+    moved = pw.put(big, a).to(b)
+    assert [first, random.random()] == expected
+    torch.testing.assert_close(moved.torch(), big, rtol=0, atol=0)
+    moves = []
+    for k in range(4):
+        random.seed(0)              # as a script seeding its augmentations each batch
+        moves.append(pw.put(big + k, a).to(b))
+    for k, m in enumerate(moves):
+        torch.testing.assert_close(m.torch(), big + k, rtol=0, atol=0)
 
 
 def test_program_inputs_from_other_slices_move_to_its_slice(slices):

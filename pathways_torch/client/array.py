@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import tracing
+from .._ids import random_id
 from .._trees import plain_batch
 from ..errors import OutOfMemoryError, PathwaysError, PlacementError
 from ..rpc import codec
@@ -309,7 +310,6 @@ def _check_budget(value: torch.Tensor, spec: P, slice_: "runtime.Slice") -> None
 
 def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
     """Move ``a`` to another slice with ``spec``: a SendOp on its slice, a RecvOp on dst."""
-    import random
     t0 = tracing.CLIENT.now() if tracing.CLIENT.on else 0
     state = runtime.get_state()
     validate_spec(spec, a.shape, dst.axis_names, dst.mesh_shape, "Array.to")
@@ -322,7 +322,7 @@ def transfer(a: Array, dst: "runtime.Slice", spec: P) -> Array:
         g.keep(a)
     msg = pb.Spec()
     spec_to_proto(spec, msg)
-    tid = random.getrandbits(63) | 1
+    tid = random_id()
     dst_conn = dst._conn
     bid = dst_conn.new_id()
     seq = dst_conn.send(pb.Op(recv=pb.RecvOp(
@@ -353,7 +353,6 @@ def _move_pieces(a: Array, dst: "runtime.Slice", spec: P, t0: int) -> Array:
     """A move from or to a slice that spans hosts, host to host: each source host sends
     each destination host the parts of its shards that host needs (``move_plan``), as
     one piece on the data plane; the destination assembles them and reshards."""
-    import random
     from .members import PerMember, shard_blocks
     shape = tuple(a.shape)
     src, dsts = a.slice, _host_blocks(dst, shape, spec)
@@ -364,13 +363,13 @@ def _move_pieces(a: Array, dst: "runtime.Slice", spec: P, t0: int) -> Array:
     meta = pb.TensorMeta(dtype=codec.dtype_name(a.dtype), shape=list(shape))
     msg = pb.Spec()
     spec_to_proto(spec, msg)
-    tids = [[random.getrandbits(63) | 1 if plan[k][j] else 0 for j in range(len(dsts))]
+    tids = [[random_id() if plan[k][j] else 0 for j in range(len(dsts))]
             for k in range(len(plan))]
 
     bid = dst._conn.new_id()
     recvs = []
     for j in range(len(dsts)):
-        r = pb.RecvOp(buffer_id=bid, meta=meta, spec=msg, transfer_id=random.getrandbits(63) | 1)
+        r = pb.RecvOp(buffer_id=bid, meta=meta, spec=msg, transfer_id=random_id())
         for k in range(len(plan)):
             if plan[k][j]:
                 r.pieces.add(transfer_id=tids[k][j], blocks=shard_blocks(plan[k][j]),

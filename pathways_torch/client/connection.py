@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-import random
 import socket
 import threading
 import time
@@ -29,6 +28,7 @@ import grpc
 import torch
 
 from .. import tracing
+from .._ids import random_id
 from ..errors import (
     CheckpointError,
     ClusterShutdownError,
@@ -373,7 +373,7 @@ class ExecutorConnection:
         """Write ``views`` (bytes that follow each other) to the executor's data plane
         as one transfer; its id, for the RecvOp that takes them in."""
         self._check()
-        tid = random.getrandbits(63) | 1
+        tid = random_id()
         try:
             plane.send(self.data_address, tid, views, same_host=self._same_host())
         except OSError as e:

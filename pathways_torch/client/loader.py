@@ -32,7 +32,6 @@ does: before naming a batch the client asks one host whether it exists.
 from __future__ import annotations
 
 import json
-import random
 import threading
 import weakref
 from typing import Any, Dict, List, Optional
@@ -41,6 +40,7 @@ import grpc
 from torch.utils import _pytree as pytree
 
 from ..errors import DataLoaderError, ShardingError
+from .._ids import random_id
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import P, as_spec, member_blocks
@@ -139,7 +139,7 @@ class DataLoader:
         except (TypeError, ValueError) as e:
             raise TypeError(f"pw.DataLoader: dataset_kwargs travel as JSON: {e}") from None
         self._spec = pb.LoaderSpec(
-            loader_id=random.getrandbits(63) | 1, dataset=dataset,
+            loader_id=random_id(), dataset=dataset,
             dataset_kwargs_json=kwargs_json, collate=collate_fn or "",
             batch_size=batch_size, shuffle=shuffle, seed=int(seed), drop_last=drop_last,
             num_workers=int(num_workers), prefetch=max(1, int(prefetch)))

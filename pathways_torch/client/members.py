@@ -19,7 +19,6 @@ Example (what ``pw.slice`` does when the slice spans hosts)::
 from __future__ import annotations
 
 import itertools
-import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import TimeoutError, WorkerLostError
+from .._ids import random_id
 from ..rpc import codec
 from ..rpc import pathways_pb2 as pb
 from ..sharding import member_blocks, spec_from_proto
@@ -173,7 +173,7 @@ class MembersConnection:
                 tid = m.send_bulk(plane, [codec.byte_view(_block(tensor, b))
                                           for b in blocks])
                 r = pb.RecvOp(buffer_id=bid, meta=meta, spec=spec_msg,
-                              transfer_id=random.getrandbits(63) | 1)
+                              transfer_id=random_id())
                 r.pieces.add(transfer_id=tid, src_host="the client",
                              blocks=shard_blocks(blocks))
                 recvs.append(pb.Op(recv=r))
