@@ -115,6 +115,39 @@ def test_random_ops_draw_fresh_values_every_call(s4):
     assert abs(a.var().item() - 1 / 12) < 5 * 0.0745 / n ** 0.5
 
 
+def test_steps_leave_the_scripts_random_streams_alone(s4):
+    """A script that augments with ``random``, numpy and torch between steps draws what
+    it draws under plain torch: a step takes nothing from those streams. (A batch over
+    256 KiB goes on the data plane; its transfer id came from ``random`` and shifted the
+    script's ``random.random()`` by one draw a step.)"""
+    import random
+
+    import numpy as np
+
+    def seed():
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+
+    def draws():
+        return torch.rand(2).tolist(), random.random(), float(np.random.rand())
+
+    seed()
+    want = [draws() for _ in range(3)]
+    model = torch.nn.Linear(256, 1)
+    trainer = pw.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         torch.nn.functional.mse_loss, slice=s4)
+    x, y = torch.randn(512, 256), torch.randn(512, 1)       # 512 KiB of inputs
+    trainer.step(x, y)                                         # traced and compiled
+    seed()
+    got = [draws()]
+    trainer.step(x, y)
+    got.append(draws())
+    float(trainer.step(x, y))
+    got.append(draws())
+    assert got == want
+
+
 def test_draws_from_pythons_or_numpys_generator_while_traced_warn_with_the_line(s4):
     """Hand-written layer drop with ``random.random()`` and a numpy mask (Hugging
     Face's MusicGen, Whisper's SpecAugment): a compiled program would take the same
