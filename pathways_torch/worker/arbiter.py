@@ -16,14 +16,6 @@ work is queued behind it, and the arbiter *anticipates*: it holds the devices fo
 client that has more work for up to ``ANTICIPATE_S``, the time that client's executor
 needs to come back with its next request.
 
-What a program is charged is the device's time on it. On an accelerator that is the
-wall time of the execution. On CPU devices the CPU *is* the device, and wall time counts
-the time other processes held it: beside four busy loops on 2 cores, wall-time charges
-made shares 1:2:4:8 complete 10:56:55:45 programs in a CI run and 10:45:68:54 here
-(programs of one size, charged from a few ms to 130 ms). So an executor on CPU devices
-reports its process's CPU time instead; the same load then gave 23:23:52:90 and
-11:29:77:85.
-
 Gang ops come first, in the host's gang sequence (issue 14). The scheduler numbers the
 gang ops of every host in one total order (``ScheduleReply.host_seqs``), and the
 arbiter grants a gang op only when it is the host's next one: a slice that spans hosts
@@ -60,7 +52,6 @@ from contextlib import contextmanager
 from typing import Dict, List, Optional
 
 from .._proc import remove_orphan_folders
-from .devices import device_kind
 
 
 class FairQueue:
@@ -280,23 +271,20 @@ class ArbiterClient:
         self._sock.sendall(b"H" + json.dumps({"client": client, "share": share}).encode()
                            + b"\n")
         self.busy_seconds = 0.0
-        # the device's time: CPU devices run on this process's threads (see the top)
-        self._clock = time.process_time if device_kind() == "CPU" else time.perf_counter
 
     @contextmanager
     def grant(self, more=lambda: False, gang: int = 0):
-        """Wait for the devices; the body's device time is reported (wall time, or
-        this process's CPU time on CPU devices), and
+        """Wait for the devices; the body's wall time is reported as device time, and
         ``more()`` says at the end whether another program is queued behind it.
         ``gang``: the host's gang sequence number of a gang op (granted in that order)."""
         self._sock.sendall(b"R" + struct.pack("<Q", gang))
         if self._sock.recv(1) != b"G":
             raise OSError("the host's share arbiter went away")
-        t0 = self._clock()
+        t0 = time.perf_counter()
         try:
             yield
         finally:
-            dt = self._clock() - t0
+            dt = time.perf_counter() - t0
             self.busy_seconds += dt
             self._sock.sendall(b"D" + struct.pack("<d?", dt, bool(more())))
 
