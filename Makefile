@@ -20,8 +20,8 @@ demo: $(STAMP)
 # 876 s against 1,238 s in one process on 2 cores. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 # Modules whose verdict needs the machine to themselves run after the others, alone:
-# test_shares measures the programs each client completes, and beside another module
-# (two more client processes on 2 cores) shares 1:2:4:8 once completed 10:56:55:45.
+# test_shares measures the programs each client completes, and with another module
+# loading the 2 cores beside it shares 1:2:4:8 once completed 10:56:55:45.
 ALONE := tests/test_shares.py
 
 test: $(STAMP)
