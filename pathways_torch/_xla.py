@@ -40,10 +40,74 @@ def import_torch_xla() -> ModuleType:
     with _IMPORT_LOCK:
         if not _IMPORTED:
             with _ctrl_c_after():
-                import torch_xla
+                with _deferred_submodules():
+                    import torch_xla
                 _restore_torch_nn()
                 _IMPORTED.append(torch_xla)
     return _IMPORTED[0]
+
+
+#: torch_xla 2.9's ``__init__`` imports two modules only for names it re-exports, and
+#: they pull in torch._inductor and functorch's AOT compiler: 2.5 of its 4 s of import
+#: on this machine, paid by every client's first trace and every worker's start. The
+#: version whose import lines these stand-ins match; any other imports as it is.
+_DEFERRED_FOR = "2.9.0"
+
+
+@contextlib.contextmanager
+def _deferred_submodules() -> Iterator[None]:
+    """While ``import torch_xla`` runs, let ``torch_xla.stablehlo`` and
+    ``torch_xla.experimental.gru`` be stand-ins that import the real module when used:
+    ``torch_xla.save_as_stablehlo(...)`` imports it on its call, and the scan GRU it
+    installs as ``torch.nn.GRU`` (which ``_restore_torch_nn`` takes back anyway) on its
+    construction. Afterwards the stand-ins leave ``sys.modules``, so ``import
+    torch_xla.stablehlo`` gets the real module."""
+    import sys
+    try:
+        from importlib.metadata import version
+        ours = version("torch_xla") == _DEFERRED_FOR
+    except Exception:            # noqa: BLE001 - not installed as a distribution
+        ours = False
+    names = ("torch_xla.stablehlo", "torch_xla.experimental.gru")
+    if not ours or "torch_xla" in sys.modules or any(n in sys.modules for n in names):
+        yield
+        return
+    stand_ins = {n: _stand_in(n) for n in names}
+    sys.modules.update(stand_ins)
+    try:
+        yield
+    finally:
+        for name, mod in stand_ins.items():
+            if sys.modules.get(name) is mod:
+                del sys.modules[name]
+            parent, _, attr = name.rpartition(".")
+            if getattr(sys.modules.get(parent), attr, None) is mod:
+                delattr(sys.modules[parent], attr)
+
+
+def _stand_in(name: str) -> ModuleType:
+    """A module for ``name`` whose names torch_xla's ``__init__`` imports forward to
+    the real module, imported on first use."""
+    import importlib
+
+    import torch
+
+    mod = ModuleType(name)
+    if name.endswith(".gru"):
+        class GRU(torch.nn.GRU):
+            def __new__(cls, *args, **kwargs):
+                return importlib.import_module(name).GRU(*args, **kwargs)
+        mod.GRU = GRU
+        return mod
+
+    def forward(attr: str) -> Callable:
+        def call(*args, **kwargs):
+            return getattr(importlib.import_module(name), attr)(*args, **kwargs)
+        call.__name__ = call.__qualname__ = attr
+        return call
+    for attr in ("save_as_stablehlo", "save_torch_model_as_stablehlo"):
+        setattr(mod, attr, forward(attr))
+    return mod
 
 
 @contextlib.contextmanager

@@ -337,3 +337,33 @@ def test_torch_nn_is_put_back_when_a_library_imported_torch_xla_first(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_torch_xla_is_imported_without_what_only_its_reexports_need(tmp_path):
+    """torch_xla 2.9's import pulled torch._inductor in (through ``torch_xla.stablehlo``)
+    and functorch's AOT compiler (through its scan GRU): 2.5 s of every first trace and
+    every worker start. pathways_torch's import leaves them to first use; the modules
+    and the names torch_xla re-exports still work, and torch.nn's GRU is torch's."""
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, torch.nn as nn, torch.nn.modules.rnn as rnn
+        from pathways_torch._xla import import_torch_xla
+        torch_xla = import_torch_xla()
+        assert "torch._inductor.lowering" not in sys.modules
+        assert nn.GRU is rnn.GRU
+        import torch_xla.stablehlo as shlo
+        assert hasattr(shlo, "StableHLOExportOptions")       # the real module
+        from torch_xla.experimental.gru import GRU
+        assert GRU.__module__ == "torch_xla.experimental.gru"
+        import torch_xla._patched_functions as patched
+        gru = patched.ScanGRU(4, 8)                           # its stand-in makes the real one
+        assert type(gru) is GRU, type(gru)
+        assert callable(torch_xla.save_as_stablehlo)
+        print("OK")
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
