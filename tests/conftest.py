@@ -8,6 +8,16 @@ import sys
 import pytest
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# The suite compiles with LLVM at optimization level 1, not XLA's default 3: its checks
+# are of numbers, not speed. Measured here: resnet's training step compiles in 8.7 s,
+# not 21 s; the suite's test time fell from 5,313 to 4,590 s. Level 0 (5.0 s) moved
+# float results by an ulp: three tests that hold torch's values that closely failed.
+# Every process the suite starts inherits this (workers, executors, the recipes'
+# clients). XLA_FLAGS that name the level win: --xla_backend_optimization_level=3
+# runs the suite as users' programs compile.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_backend_optimization_level=1").strip()
 
 import pathways_torch as pw  # noqa: E402
 
