@@ -10,7 +10,9 @@ spread. Scripts that measure themselves against an in-process baseline (dispatch
     python bench/script_ab.py --baseline dca0dc9 --script dispatch.py \\
         --args "--steps 1000 --runs 3" --key pathways_us_per_step --rounds 5
 
-``--key`` may be repeated: each number is compared over the same runs.
+``--key`` may be repeated: each number is compared over the same runs. A script that
+the baseline lacks runs from this tree against both trees' packages
+(``--script-from-here``).
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from common import emit, median
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run(tree: pathlib.Path, script: str, argv: list) -> dict:
+def run(tree: pathlib.Path, script: str, argv: list, here: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run([sys.executable, str(tree / "bench" / script)] + argv,
-                         cwd=tree / "bench", env=env, capture_output=True, text=True,
+    bench = (ROOT if here else tree) / "bench"
+    out = subprocess.run([sys.executable, str(bench / script)] + argv,
+                         cwd=bench, env=env, capture_output=True, text=True,
                          timeout=1800)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -57,6 +60,8 @@ def main() -> None:
                     help="the number to compare (dotted path into its JSON); repeat the "
                          "flag to compare several numbers of the same runs")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--script-from-here", action="store_true",
+                    help="run this tree's copy of the script for the baseline too")
     args = ap.parse_args()
     argv = shlex.split(args.args)
     base = pathlib.Path(tempfile.mkdtemp(prefix="pw-baseline-")) / "tree"
@@ -65,7 +70,8 @@ def main() -> None:
     rows: dict = {key: [] for key in args.key}
     try:
         for r in range(args.rounds):
-            a_out, b_out = run(base, args.script, argv), run(ROOT, args.script, argv)
+            a_out = run(base, args.script, argv, args.script_from_here)
+            b_out = run(ROOT, args.script, argv)
             for key in args.key:
                 a, b = pick(a_out, key), pick(b_out, key)
                 rows[key].append((a, b, b / a))
