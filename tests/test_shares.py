@@ -61,7 +61,7 @@ def shared_host():
 
 def measure(address, shares, tmp_path, seconds=24.0):
     # 24 s, not 12: on 2026-12-07 the 12 s window failed 2 of 5 idle runs here (shares
-    # 1:2:4:8 completed 37:40:54:108, 28:22:96:120); 24 s passed 3 of 3 (0.094-0.104 of
+    # 1:2:4:8 completed 37:40:54:108, 28:22:96:120); 24 s passed 4 of 4 (0.078-0.104 of
     # the programs to share 1). Five processes share 2 cores; a longer window averages
     # out a client that briefly gets no CPU.
     import json
